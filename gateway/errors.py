@@ -1,0 +1,127 @@
+"""Errors, and how each becomes an OpenAI-shaped HTTP error.
+
+Exception tree::
+
+    GatewayError                  status_code, type, code, param
+     ├── InvalidRequest           400 invalid_request_error
+     │    └── ContextLengthExceeded   400 code=context_length_exceeded
+     ├── AuthenticationFailed     401 authentication_error
+     ├── PermissionDenied         403 permission_error
+     ├── ModelNotFound            404 invalid_request_error code=model_not_found
+     ├── NotFound                 404 invalid_request_error
+     ├── MethodNotAllowed         405
+     ├── PayloadTooLarge          413
+     ├── RateLimited              429 rate_limit_exceeded (Retry-After)
+     ├── EngineUnavailable        503 service_unavailable
+     └── EngineFailed             500 server_error (engine raised mid-request)
+    ConfigError                   a setting or catalog entry is invalid (never an HTTP error)
+
+Raise these in catalog, service and engine; ``app`` renders them in one handler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A setting or catalog entry is invalid. The message is one line, naming the field."""
+
+
+class GatewayError(Exception):
+    status_code = 500
+    error_type = "server_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(GatewayError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationFailed(GatewayError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status_code = 403
+    error_type = "permission_error"
+
+
+class ModelNotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+    def __init__(self, name: str, *, param: str = "model") -> None:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        super().__init__(
+            f"The model '{shown}' does not exist or you do not have access to it.",
+            param=param,
+        )
+
+
+class NotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status_code = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class RateLimited(GatewayError):
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+    default_code = "rate_limit_exceeded"
+
+
+class EngineUnavailable(GatewayError):
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "engine_unavailable"
+
+
+class EngineFailed(GatewayError):
+    status_code = 500
+    error_type = "server_error"
+    default_code = "engine_error"

@@ -1,0 +1,158 @@
+"""Settings: one ``GatewaySettings`` built from CLI flags > env vars > YAML > defaults.
+
+Env vars use the ``GATEWAY_`` prefix and ``__`` for nesting
+(``GATEWAY_ENGINE__MAX_NUM_SEQS=32``). The YAML file is ``configs/gateway.yaml`` unless
+``GATEWAY_CONFIG`` (or ``--config``) names another. Engine fields keep vLLM's engine-arg
+names, and ``engine.engine_args`` passes anything else through to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from gateway.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "gateway.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSettings(_Section):
+    """Engine arguments, named as vLLM names them."""
+
+    model: str | None = Field(None, description="model directory; empty = embedded Gemma 3 270M")
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = Field(2048, gt=0)
+    max_num_seqs: int = Field(16, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
+    trust_remote_code: bool = False
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=dict)
+    enable_lora: bool = True
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool | None = None
+    load_format: str | None = None
+    seed: int | None = 0
+    cpu_kvcache_space_gib: int = Field(2, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM unchanged")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    timeout_keep_alive: int = Field(5, ge=1)
+
+    @field_validator("workers")
+    @classmethod
+    def _one_worker(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                "must be 1: each uvicorn worker would load its own copy of the model; "
+                "scale with replicas instead"
+            )
+        return value
+
+
+class LimitSettings(_Section):
+    max_body_bytes: int = Field(2 * 1024 * 1024, gt=0)
+    max_n: int = Field(8, ge=1)
+    max_stop: int = Field(8, ge=0)
+    max_logprobs: int = Field(20, ge=0)
+    default_max_tokens: int = Field(256, gt=0)
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        nested_model_default_partial_update=True,
+    )
+
+    config: Path = Field(DEFAULT_CONFIG, description="YAML settings file (GATEWAY_CONFIG)")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    catalog: Path = Field(PROJECT_ROOT / "configs" / "adapters.yaml", description="adapter catalog")
+    adapters_root: Path = Field(PROJECT_ROOT / "adapters", description="adapter files must live here")
+    catalog_poll_s: float = Field(0.5, gt=0, description="how often adapter files are checked")
+    cache_dir: Path = Field(Path.home() / ".cache" / "gateway", description="prepared models")
+
+    @field_validator("catalog", "adapters_root", "cache_dir")
+    @classmethod
+    def _anchor(cls, value: Path) -> Path:
+        # Relative paths are relative to the project, not to wherever the process started.
+        value = value.expanduser()
+        return value if value.is_absolute() else PROJECT_ROOT / value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        init_kwargs = getattr(init_settings, "init_kwargs", {})
+        path = Path(init_kwargs.get("config") or os.environ.get("GATEWAY_CONFIG") or DEFAULT_CONFIG)
+        yaml_source = YamlConfigSettingsSource(settings_cls, yaml_file=path if path.exists() else None)
+        return (init_settings, env_settings, yaml_source)
+
+
+def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        target = target.setdefault(part, {})
+    target[leaf] = value
+
+
+def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
+    """Build settings; ``overrides`` are dotted keys from the CLI (``engine.dtype``).
+
+    Raises ``ConfigError`` with one line naming the field when anything is invalid.
+    """
+    init: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _deep_set(init, key, value)
+    config = init.get("config") or os.environ.get("GATEWAY_CONFIG")
+    if config and not Path(config).is_file():
+        raise ConfigError(f"config: file not found: {config}")
+    try:
+        return GatewaySettings(**init)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    except (OSError, ValueError) as exc:  # unreadable or malformed YAML
+        raise ConfigError(f"config: {exc}".splitlines()[0]) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "settings"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    value = first.get("input")
+    shown = f" (got {value!r})" if isinstance(value, (str, int, float)) else ""
+    return f"{field}: {first['msg']}{shown}{more}"

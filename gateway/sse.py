@@ -1,0 +1,211 @@
+"""Wire formats: engine steps -> bytes, one small encoder per format.
+
+Encoders build each event from pre-rendered byte prefixes and one ``json.dumps`` of the
+delta text, with no per-chunk pydantic model: this is the hot path of every stream.
+Once a stream has started the HTTP status cannot change, so each format has an explicit
+error event.
+
+- ``OpenAIChatEncoder``: ``chat.completion.chunk`` events, then ``data: [DONE]``.
+- ``OpenAICompletionEncoder``: ``text_completion`` events, then ``data: [DONE]``.
+- ``HouseEncoder``: ``event: message`` / ``data: {"text": ...}`` (UTF-8, not escaped),
+  ``event: done`` / ``data: [DONE]``; on failure ``event: error`` / ``data: {"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from gateway.engine import Chunk, StepOutput, TokenLogprob
+from gateway.errors import GatewayError
+from gateway.protocol import usage_dict
+from gateway.service import Collected, Generation
+
+_dumps = json.dumps
+DONE = b"data: [DONE]\n\n"
+
+
+class StreamEncoder(Protocol):
+    def start(self) -> bytes: ...
+
+    def step(self, step: StepOutput) -> bytes: ...
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes: ...
+
+    def error(self, exc: GatewayError) -> bytes: ...
+
+
+def _data(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _OpenAIEncoder:
+    object_name = ""
+
+    def __init__(self, gen: Generation, include_usage: bool) -> None:
+        self.gen = gen
+        self.include_usage = include_usage
+        head = {"id": gen.id, "object": self.object_name, "created": gen.created, "model": gen.route.name}
+        self._head = head
+        # '{"id":..,"model":..,"choices":[{"index":' -- everything before the choice index
+        self._prefix = (b"data: " + _dumps(head, separators=(",", ":"))[:-1].encode() + b',"choices":[{"index":')
+        self._suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+
+    def error(self, exc: GatewayError) -> bytes:
+        return _data(exc.to_dict())
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        if not self.include_usage:
+            return DONE
+        return _data({**self._head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)}) + DONE
+
+
+class OpenAIChatEncoder(_OpenAIEncoder):
+    object_name = "chat.completion.chunk"
+
+    def start(self) -> bytes:
+        return b"".join(
+            self._prefix
+            + str(i).encode()
+            + b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + self._suffix
+            for i in range(self.gen.sampling.n)
+        )
+
+    def step(self, step: StepOutput) -> bytes:
+        return b"".join(self._chunk(c) for c in step.chunks if c.text or c.finish_reason or c.logprobs)
+
+    def _chunk(self, c: Chunk) -> bytes:
+        delta = b'{"content":' + _dumps(c.text).encode() + b"}" if c.text else b"{}"
+        logprobs = _dumps(chat_logprobs(c.logprobs)).encode() if c.logprobs is not None else b"null"
+        finish = _dumps(c.finish_reason).encode()
+        return (
+            self._prefix + str(c.index).encode() + b',"delta":' + delta + b',"logprobs":' + logprobs
+            + b',"finish_reason":' + finish + b"}]" + self._suffix
+        )
+
+
+class OpenAICompletionEncoder(_OpenAIEncoder):
+    object_name = "text_completion"
+
+    def start(self) -> bytes:
+        return b""
+
+    def step(self, step: StepOutput) -> bytes:
+        return b"".join(self._chunk(c) for c in step.chunks if c.text or c.finish_reason)
+
+    def _chunk(self, c: Chunk) -> bytes:
+        logprobs = _dumps(completion_logprobs(c.logprobs)).encode() if c.logprobs is not None else b"null"
+        return (
+            self._prefix + str(c.index).encode() + b',"text":' + _dumps(c.text).encode()
+            + b',"logprobs":' + logprobs + b',"finish_reason":' + _dumps(c.finish_reason).encode()
+            + b"}]" + self._suffix
+        )
+
+
+class HouseEncoder:
+    """The in-house SSE format, byte-compatible with the existing clients."""
+
+    def __init__(self, gen: Generation, include_usage: bool = False) -> None:
+        self.gen = gen
+
+    def start(self) -> bytes:
+        return b""
+
+    def step(self, step: StepOutput) -> bytes:
+        return b"".join(
+            b"event: message\ndata: " + _dumps({"text": c.text}, ensure_ascii=False).encode() + b"\n\n"
+            for c in step.chunks
+            if c.text
+        )
+
+    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return b"event: done\ndata: [DONE]\n\n"
+
+    def error(self, exc: GatewayError) -> bytes:
+        return b"event: error\ndata: " + _dumps({"error": exc.message}, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterator[bytes]:
+    """The bytes of one streamed response; engine failures become the format's error event."""
+    try:
+        first = encoder.start()
+        if first:
+            yield first
+        async for step in gen.steps():
+            data = encoder.step(step)
+            if data:
+                yield data
+        yield encoder.end(gen.prompt_tokens, gen.completion_tokens)
+    except GatewayError as exc:
+        yield encoder.error(exc)
+
+
+# -- logprobs and whole (non-streamed) responses ---------------------------------------
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if items is None:
+        return None
+    return {
+        "content": [
+            {**_token_entry(t.token, t.logprob), "top_logprobs": [_token_entry(s, lp) for s, lp in t.top]}
+            for t in items
+        ]
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if items is None:
+        return None
+    offsets, pos = [], 0
+    for t in items:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {
+        "tokens": [t.token for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [dict(t.top) for t in items],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
+    return {
+        "id": gen.id,
+        "object": "chat.completion",
+        "created": gen.created,
+        "model": gen.route.name,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in result.choices
+        ],
+        "usage": usage_dict(result.prompt_tokens, result.completion_tokens),
+    }
+
+
+def completion_response(gen: Generation, result: Collected) -> dict[str, Any]:
+    return {
+        "id": gen.id,
+        "object": "text_completion",
+        "created": gen.created,
+        "model": gen.route.name,
+        "choices": [
+            {
+                "index": c.index,
+                "text": "".join(c.text),
+                "logprobs": completion_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in result.choices
+        ],
+        "usage": usage_dict(result.prompt_tokens, result.completion_tokens),
+    }
