@@ -1,0 +1,222 @@
+"""Routing and registration-time validation of the adapter catalog."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table, safe_adapter_path
+from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
+
+MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
+
+
+def make_adapter(root: Path, name: str, *, rank: int = 8, base: str = "base-model", targets: list[str] | None = None) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    config = {"r": rank, "lora_alpha": 16, "target_modules": targets or ["q_proj", "v_proj"], "base_model_name_or_path": base}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    (path / "adapter_model.safetensors").write_bytes(b"weights-" + name.encode())
+    return path
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    root = tmp_path / "adapters"
+    make_adapter(root, "shout")
+    make_adapter(root, "json")
+    return root
+
+
+def write_catalog(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "adapters.yaml"
+    path.write_text(text)
+    return path
+
+
+CATALOG = """
+base:
+  aliases: [base]
+  tasks: [general]
+routes:
+  - name: shout
+    adapter: shout
+    aliases: [loud, caps]
+    tasks: [shouting]
+    defaults: {temperature: 0.0, max_tokens: 32}
+  - name: json
+    adapter: json
+    tasks: [extract]
+  - name: concise
+    system_prompt: Answer in one sentence.
+    tasks: [summary]
+"""
+
+
+def table_for(tmp_path: Path, root: Path, text: str = CATALOG, **kw: object) -> RoutingTable:
+    opts: dict[str, object] = dict(base_name="base-model", adapters_root=root, max_lora_rank=16, model_modules=MODULES, lora_ids=LoraIds())
+    opts.update(kw)
+    return load_table(write_catalog(tmp_path, text), **opts)  # type: ignore[arg-type]
+
+
+def test_names_aliases_and_tasks_reach_the_same_route(tmp_path: Path, root: Path) -> None:
+    table = table_for(tmp_path, root)
+    shout = table.resolve("shout")
+    assert shout.kind == "lora" and shout.lora is not None
+    assert table.resolve("loud") is shout
+    assert table.resolve("caps") is shout
+    assert table.resolve(None, "shouting") is shout
+    assert table.resolve("base-model", "shouting") is shout  # base name + task: the task picks
+    assert table.resolve("base") is table.base
+    assert table.resolve(None) is table.base
+    assert table.resolve("concise").kind == "preset"
+    assert table.resolve("concise").system_prompt == "Answer in one sentence."
+
+
+@pytest.mark.parametrize("name", ["nope", "../shout", "/etc/passwd", "http://evil/x", "shout/../json", "SHOUT", ""])
+def test_unknown_and_path_like_names_are_404(tmp_path: Path, root: Path, name: str) -> None:
+    table = table_for(tmp_path, root)
+    if name == "":
+        assert table.resolve(name) is table.base  # empty model: the base, as if absent
+        return
+    with pytest.raises(ModelNotFound) as info:
+        table.resolve(name)
+    assert info.value.status_code == 404
+    assert info.value.to_dict()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_task_is_404_on_param_task(tmp_path: Path, root: Path) -> None:
+    with pytest.raises(ModelNotFound) as info:
+        table_for(tmp_path, root).resolve(None, "nope")
+    assert info.value.param == "task"
+
+
+def test_model_and_task_naming_different_routes_is_400(tmp_path: Path, root: Path) -> None:
+    with pytest.raises(InvalidRequest):
+        table_for(tmp_path, root).resolve("json", "shouting")
+
+
+def test_defaults_are_carried(tmp_path: Path, root: Path) -> None:
+    shout = table_for(tmp_path, root).resolve("shout")
+    assert shout.defaults.temperature == 0.0
+    assert shout.defaults.max_tokens == 32
+
+
+@pytest.mark.parametrize(
+    ("adapter", "reason"),
+    [
+        ("../outside", "relative and inside"),
+        ("/etc", "relative and inside"),
+        ("http://x/y", "relative and inside"),
+        ("missing", "not found"),
+        ("escape", "escapes the adapters root"),
+        ("bigrank", "rank 64 is above"),
+        ("otherbase", "trained for base model"),
+        ("badtargets", "target modules not in the model: lm_head_x"),
+        ("badjson", "adapter_config.json is invalid"),
+        ("noweights", "missing adapter_model.safetensors"),
+    ],
+)
+def test_bad_entries_are_rejected_and_the_rest_serve(tmp_path: Path, root: Path, adapter: str, reason: str) -> None:
+    outside = make_adapter(tmp_path / "elsewhere", "outside")
+    os.symlink(outside, root / "escape")
+    make_adapter(root, "bigrank", rank=64)
+    make_adapter(root, "otherbase", base="/models/llama-3-8b")
+    make_adapter(root, "badtargets", targets=["q_proj", "lm_head_x"])
+    (make_adapter(root, "badjson") / "adapter_config.json").write_text("{not json")
+    (make_adapter(root, "noweights") / "adapter_model.safetensors").unlink()
+    text = CATALOG + f"  - name: broken\n    adapter: {adapter}\n"
+    table = table_for(tmp_path, root, text)
+    assert "broken" in table.errors
+    assert reason in table.errors["broken"]
+    assert set(table.routes) == {"shout", "json", "concise"}
+    with pytest.raises(ModelNotFound):
+        table.resolve("broken")
+
+
+def test_duplicate_names_are_rejected(tmp_path: Path, root: Path) -> None:
+    text = CATALOG + "  - name: other\n    aliases: [loud]\n"
+    table = table_for(tmp_path, root, text)
+    assert "already used: loud" in table.errors["other"]
+
+
+def test_rank_check_uses_engine_limit(tmp_path: Path, root: Path) -> None:
+    table = table_for(tmp_path, root, max_lora_rank=4)
+    assert "rank 8 is above engine.max_lora_rank=4" in table.errors["shout"]
+
+
+def test_broken_catalog_file_raises_one_line(tmp_path: Path, root: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        table_for(tmp_path, root, "routes: [unclosed\n")
+    assert "\n" not in str(info.value)
+
+
+def test_safe_adapter_path_refuses_parent_parts(tmp_path: Path, root: Path) -> None:
+    with pytest.raises(ConfigError):
+        safe_adapter_path("shout/../../x", root)
+    assert safe_adapter_path("shout", root) == (root / "shout").resolve()
+
+
+# -- the live catalog: atomic swap, new ids for changed files, drain then remove ------------
+def live_catalog(tmp_path: Path, root: Path, removed: list[int]) -> tuple[Catalog, Path]:
+    path = write_catalog(tmp_path, CATALOG)
+
+    async def remove(lora_id: int) -> None:
+        removed.append(lora_id)
+
+    def build(ids: LoraIds) -> RoutingTable:
+        return load_table(path, base_name="base-model", adapters_root=root, max_lora_rank=16, model_modules=MODULES, lora_ids=ids)
+
+    return Catalog(build, remove), path
+
+
+async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, root: Path) -> None:
+    removed: list[int] = []
+    catalog, _ = live_catalog(tmp_path, root, removed)
+    old = catalog.resolve("shout").lora
+    json_before = catalog.resolve("json").lora
+    assert old is not None
+    lease = catalog.acquire("shout")
+    (root / "shout" / "adapter_model.safetensors").write_bytes(b"new weights")
+    assert catalog.reload()
+    new = catalog.resolve("shout").lora
+    assert new is not None and new.lora_id != old.lora_id and new.name != old.name
+    assert catalog.resolve("json").lora == json_before  # untouched adapter keeps its id
+    assert await catalog.remove_drained() == []  # still running on the old version
+    assert lease.route.lora == old  # the running request keeps its version
+    lease.release()
+    lease.release()  # idempotent
+    assert await catalog.remove_drained() == [old.lora_id]
+    assert removed == [old.lora_id]
+    assert catalog.in_use() == {}
+
+
+async def test_unchanged_files_keep_their_id(tmp_path: Path, root: Path) -> None:
+    catalog, _ = live_catalog(tmp_path, root, [])
+    before = catalog.resolve("json").lora
+    assert catalog.reload()
+    assert catalog.resolve("json").lora == before
+
+
+async def test_removed_route_leaves_the_engine_when_idle(tmp_path: Path, root: Path) -> None:
+    removed: list[int] = []
+    catalog, path = live_catalog(tmp_path, root, removed)
+    json_id = catalog.resolve("json").lora.lora_id  # type: ignore[union-attr]
+    path.write_text(CATALOG.replace("  - name: json\n    adapter: json\n    tasks: [extract]\n", ""))
+    assert catalog.reload()
+    with pytest.raises(ModelNotFound):
+        catalog.resolve("json")
+    assert await catalog.remove_drained() == [json_id]
+
+
+async def test_broken_reload_keeps_the_last_good_table(tmp_path: Path, root: Path) -> None:
+    catalog, path = live_catalog(tmp_path, root, [])
+    good = catalog.table
+    path.write_text("routes: [oops\n")
+    assert not catalog.reload()
+    assert catalog.table is good
+    assert catalog.last_error and "adapters.yaml" in catalog.last_error
+    assert catalog.resolve("loud").name == "shout"

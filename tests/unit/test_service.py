@@ -1,0 +1,153 @@
+"""ChatService with a fake engine: prompt building, sampling merge, limits, leases."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.catalog import Catalog, Route, RoutingTable, SamplingDefaults
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
+from gateway.service import ChatService
+from gateway.settings import LimitSettings
+from tests.unit.fakes import FakeEngine
+
+PRESET = Route(
+    name="concise",
+    kind="preset",
+    system_prompt="Be brief.",
+    defaults=SamplingDefaults(temperature=0.2, max_tokens=5, repetition_penalty=1.1),
+)
+
+
+def setup(engine: FakeEngine | None = None) -> tuple[ChatService, Catalog, FakeEngine]:
+    engine = engine or FakeEngine()
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"concise": PRESET}, errors={})
+    return ChatService(engine, LimitSettings(max_n=4, max_stop=2, max_logprobs=5)), Catalog(lambda ids: table), engine
+
+
+def chat(**kw: object) -> ChatCompletionRequest:
+    body: dict[str, object] = {"model": "concise", "messages": [{"role": "user", "content": "Hi"}]}
+    body.update(kw)
+    return ChatCompletionRequest.model_validate(body)
+
+
+async def test_route_system_prompt_and_defaults_apply() -> None:
+    service, catalog, engine = setup()
+    gen = await service.chat(chat(), catalog.acquire("concise"))
+    result = await gen.collect()
+    prompt_ids, sampling, _, lora = engine.calls[0]
+    assert "".join(map(chr, prompt_ids)) == "system:Be brief.\nuser:Hi\nmodel:"
+    assert (sampling.temperature, sampling.max_tokens, sampling.repetition_penalty) == (0.2, 5, 1.1)
+    assert lora is None
+    assert "".join(result.choices[0].text) == "Hello world!"
+    assert result.completion_tokens == 3 and result.prompt_tokens == len(prompt_ids)
+
+
+async def test_request_values_override_route_defaults() -> None:
+    service, catalog, engine = setup()
+    req = chat(temperature=0.9, max_tokens=7, messages=[{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}])
+    await (await service.chat(req, catalog.acquire("concise"))).collect()
+    prompt_ids, sampling, _, _ = engine.calls[0]
+    assert sampling.temperature == 0.9 and sampling.max_tokens == 7
+    assert "".join(map(chr, prompt_ids)).startswith("system:Mine.")  # the caller's system prompt wins
+
+
+async def test_text_parts_are_joined() -> None:
+    service, catalog, engine = setup()
+    req = chat(model="base-model", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    await (await service.chat(req, catalog.acquire("base-model"))).collect()
+    assert "".join(map(chr, engine.calls[0][0])) == "user:ab\nmodel:"
+
+
+async def test_prompt_longer_than_context_is_context_length_exceeded() -> None:
+    service, catalog, _ = setup(FakeEngine(max_model_len=20))
+    with pytest.raises(ContextLengthExceeded) as info:
+        await service.chat(chat(messages=[{"role": "user", "content": "x" * 50}]), catalog.acquire("concise"))
+    assert info.value.to_dict()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_max_tokens_beyond_context_is_context_length_exceeded() -> None:
+    service, catalog, _ = setup(FakeEngine(max_model_len=40))
+    with pytest.raises(ContextLengthExceeded) as info:
+        await service.chat(chat(max_tokens=100), catalog.acquire("concise"))
+    assert info.value.param == "max_tokens"
+
+
+async def test_default_max_tokens_fits_the_room_left() -> None:
+    service, catalog, engine = setup(FakeEngine(max_model_len=30))
+    req = chat(model="base-model")
+    await (await service.chat(req, catalog.acquire("base-model"))).collect()
+    assert engine.calls[0][1].max_tokens == 30 - len(engine.calls[0][0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [("n", 5, "n"), ("stop", ["a", "b", "c"], "stop"), ("stop", [""], "stop")],
+)
+async def test_limits(field: str, value: object, param: str) -> None:
+    service, catalog, _ = setup()
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(chat(**{field: value}), catalog.acquire("concise"))
+    assert info.value.param == param
+
+
+async def test_logprobs_cap() -> None:
+    service, catalog, _ = setup()
+    with pytest.raises(InvalidRequest):
+        await service.chat(chat(logprobs=True, top_logprobs=6), catalog.acquire("concise"))
+
+
+async def test_completion_with_token_ids_and_text() -> None:
+    service, catalog, engine = setup()
+    await (await service.complete(CompletionRequest(model="base-model", prompt=[5, 6, 7]), catalog.acquire(None))).collect()
+    await (await service.complete(CompletionRequest(model="base-model", prompt="ab"), catalog.acquire(None))).collect()
+    assert engine.calls[0][0] == [5, 6, 7]
+    assert engine.calls[1][0] == [2, 97, 98]  # text gets <bos>
+
+
+async def test_house_request_becomes_a_user_turn() -> None:
+    service, catalog, engine = setup()
+    await (await service.house(HouseChatRequest(question="Hi?"), catalog.acquire(None))).collect()
+    assert "".join(map(chr, engine.calls[0][0])) == "user:Hi?\nmodel:"
+
+
+async def test_a_consumer_that_leaves_early_aborts_the_engine_request() -> None:
+    service, catalog, engine = setup(FakeEngine(words=["a"] * 5, delay=0.01))
+    gen = await service.chat(chat(), catalog.acquire("concise"))
+    steps = gen.steps()
+    await steps.__anext__()
+    await steps.aclose()
+    import asyncio
+
+    await asyncio.sleep(0)
+    assert engine.aborted == [gen.id]
+
+
+async def test_bad_template_is_400() -> None:
+    route = Route(name="t", kind="preset", chat_template="{{ raise }}")
+    table = RoutingTable(base=Route(name="b", kind="base"), routes={"t": route}, errors={})
+    service = ChatService(FakeEngine(), LimitSettings())
+    with pytest.raises(InvalidRequest):
+        await service.chat(chat(model="t"), Catalog(lambda ids: table).acquire("t"))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": [{"role": "system", "content": "only system"}]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+        {"messages": [{"role": "user", "content": "x"}], "temperature": float("nan")},
+        {"messages": [{"role": "user", "content": "x"}], "n": 0},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+    ],
+)
+def test_invalid_chat_bodies_are_rejected(body: dict[str, object]) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(body)

@@ -1,0 +1,115 @@
+"""Settings precedence (CLI > env > YAML > defaults), one test per pair, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import _overrides, build_parser
+from gateway.errors import ConfigError
+from gateway.settings import PROJECT_ROOT, load_settings
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("GATEWAY_CONFIG", "GATEWAY_ENGINE__MAX_NUM_SEQS", "GATEWAY_SERVER__PORT"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture
+def yaml_file(tmp_path: Path) -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text("engine:\n  max_num_seqs: 7\n  dtype: bfloat16\nserver:\n  port: 9001\n")
+    return path
+
+
+def test_defaults_without_config(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    s = load_settings({"config": str(empty)})
+    assert s.engine.max_num_seqs == 16
+    assert s.engine.model is None
+    assert s.server.workers == 1
+
+
+def test_yaml_beats_defaults(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
+    s = load_settings({"config": str(yaml_file)})
+    assert s.engine.max_num_seqs == 7
+    assert s.engine.dtype == "bfloat16"
+    assert s.engine.max_loras == 4  # untouched default survives a partial section
+
+
+def test_env_beats_yaml(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
+    env.setenv("GATEWAY_CONFIG", str(yaml_file))
+    env.setenv("GATEWAY_ENGINE__MAX_NUM_SEQS", "11")
+    s = load_settings()
+    assert s.engine.max_num_seqs == 11
+    assert s.engine.dtype == "bfloat16"  # the rest still comes from YAML
+
+
+def test_cli_beats_env(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
+    env.setenv("GATEWAY_ENGINE__MAX_NUM_SEQS", "11")
+    args = build_parser().parse_args(
+        ["serve", "--config", str(yaml_file), "--max-num-seqs", "3", "--set", "engine.engine_args.enforce_eager=true"]
+    )
+    s = load_settings(_overrides(args))
+    assert s.engine.max_num_seqs == 3
+    assert s.engine.engine_args == {"enforce_eager": True}
+    assert s.server.port == 9001
+
+
+def test_relative_paths_are_anchored_at_the_project(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
+    s = load_settings({"config": str(yaml_file), "catalog": "configs/adapters.yaml"})
+    assert s.catalog == PROJECT_ROOT / "configs" / "adapters.yaml"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"engine.max_num_seqs": "many"}, "engine.max_num_seqs"),
+        ({"engine.gpu_memory_utilization": 1.5}, "engine.gpu_memory_utilization"),
+        ({"server.workers": 2}, "server.workers"),
+        ({"engine.no_such_field": 1}, "engine.no_such_field"),
+    ],
+)
+def test_invalid_setting_is_one_line_naming_the_field(
+    env: pytest.MonkeyPatch, yaml_file: Path, overrides: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"config": str(yaml_file), **overrides})
+    message = str(info.value)
+    assert message.startswith(field + ":")
+    assert "\n" not in message
+
+
+def test_invalid_env_value_names_the_field(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
+    env.setenv("GATEWAY_SERVER__PORT", "not-a-port")
+    with pytest.raises(ConfigError, match=r"^server\.port:"):
+        load_settings({"config": str(yaml_file)})
+
+
+def test_missing_config_file_is_reported(env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="config: file not found"):
+        load_settings({"config": "/nonexistent/gateway.yaml"})
+
+
+def test_malformed_yaml_is_one_line(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: [unclosed\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings({"config": str(bad)})
+    assert "\n" not in str(info.value)
+
+
+def test_cli_invalid_setting_exits_2_without_traceback(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], yaml_file: Path
+) -> None:
+    from gateway.cli import main
+
+    code = main(["adapters", "validate", "--config", str(yaml_file), "--max-num-seqs", "0"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: engine.max_num_seqs:")
+    assert "Traceback" not in err

@@ -1,0 +1,120 @@
+"""Wire formats: exact house bytes, OpenAI chunks that parse, error events."""
+
+from __future__ import annotations
+
+import json
+
+from gateway.catalog import Catalog, LoraIds, Route, RoutingTable
+from gateway.engine import Chunk, SamplingSpec, StepOutput, TokenLogprob
+from gateway.errors import EngineUnavailable
+from gateway.service import Generation
+from gateway.sse import (
+    HouseEncoder,
+    OpenAIChatEncoder,
+    OpenAICompletionEncoder,
+    chat_logprobs,
+    encode_stream,
+)
+from tests.unit.fakes import FakeEngine
+
+
+def make_gen(engine: FakeEngine | None = None, n: int = 1, route: str = "shout") -> Generation:
+    base = Route(name="base-model", kind="base")
+    table = RoutingTable(base=base, routes={route: Route(name=route, kind="preset")}, errors={})
+    catalog = Catalog(lambda ids: table)
+    return Generation(engine or FakeEngine(), catalog.acquire(route), [1, 2, 3], SamplingSpec(max_tokens=10, n=n), "chatcmpl")
+
+
+def events(raw: bytes) -> list[str]:
+    return [e for e in raw.decode().split("\n\n") if e]
+
+
+async def collect(gen: Generation, encoder: object) -> bytes:
+    return b"".join([part async for part in encode_stream(gen, encoder)])  # type: ignore[arg-type]
+
+
+async def test_house_format_is_byte_exact_and_utf8() -> None:
+    gen = make_gen(FakeEngine(words=["Où", " est", " 東京?"]))
+    raw = await collect(gen, HouseEncoder(gen))
+    assert raw == (
+        'event: message\ndata: {"text": "Où"}\n\n'
+        'event: message\ndata: {"text": " est"}\n\n'
+        'event: message\ndata: {"text": " 東京?"}\n\n'
+        "event: done\ndata: [DONE]\n\n"
+    ).encode("utf-8")
+
+
+def test_house_error_event() -> None:
+    gen = make_gen()
+    assert HouseEncoder(gen).error(EngineUnavailable("engine stopped")) == b'event: error\ndata: {"error": "engine stopped"}\n\n'
+
+
+async def test_openai_chat_chunks_parse_and_end_with_done() -> None:
+    gen = make_gen(route="json")
+    raw = await collect(gen, OpenAIChatEncoder(gen, include_usage=True))
+    parts = events(raw)
+    assert parts[-1] == "data: [DONE]"
+    chunks = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
+    assert all(c["id"] == gen.id and c["object"] == "chat.completion.chunk" and c["model"] == "json" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello world!"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
+    assert all("usage" in c for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+async def test_openai_chat_without_usage_has_no_usage_key() -> None:
+    gen = make_gen()
+    chunks = [json.loads(p[6:]) for p in events(await collect(gen, OpenAIChatEncoder(gen, include_usage=False)))[:-1]]
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_openai_chat_n_greater_than_one_indexes_choices() -> None:
+    gen = make_gen(n=2)
+    chunks = [json.loads(p[6:]) for p in events(await collect(gen, OpenAIChatEncoder(gen, False)))[:-1]]
+    by_index: dict[int, str] = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c["choices"]:
+            by_index[choice["index"]] += choice["delta"].get("content", "")
+    assert by_index == {0: "Hello world!", 1: "Hello world!"}
+
+
+async def test_completion_chunks() -> None:
+    gen = make_gen()
+    chunks = [json.loads(p[6:]) for p in events(await collect(gen, OpenAICompletionEncoder(gen, False)))[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hello", " world", "!"]
+    assert chunks[0]["object"] == "text_completion"
+
+
+async def test_engine_failure_mid_stream_becomes_an_error_event() -> None:
+    class Dying(FakeEngine):
+        async def generate(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+            yield StepOutput([Chunk(0, "partial", 1)], 3, False)
+            raise EngineUnavailable("the engine has stopped")
+
+    gen = make_gen(Dying())
+    parts = events(await collect(gen, OpenAIChatEncoder(gen, False)))
+    error = json.loads(parts[-1][6:])
+    assert error["error"]["type"] == "service_unavailable"
+    assert error["error"]["message"] == "the engine has stopped"
+    gen2 = make_gen(Dying())
+    assert events(await collect(gen2, HouseEncoder(gen2)))[-1] == 'event: error\ndata: {"error": "the engine has stopped"}'
+
+
+def test_chat_logprobs_shape() -> None:
+    shaped = chat_logprobs([TokenLogprob("Hi", -0.5, [("Hi", -0.5), ("Yo", -1.0)])])
+    assert shaped == {
+        "content": [
+            {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
+                {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+                {"token": "Yo", "logprob": -1.0, "bytes": [89, 111]},
+            ]}
+        ]
+    }
+
+
+def test_unused_ids_helper_is_stable() -> None:
+    ids = LoraIds()
+    assert ids.id_for("a") == ids.id_for("a") != ids.id_for("b")
