@@ -309,6 +309,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
                 "reloads": catalog.reloads,
                 "loaded_at": catalog.table.loaded_at,
                 "engine_loras": sorted(await gw.engine.list_loras()),
+                "live_loras": sorted(r.lora.lora_id for r in catalog.table.all_routes() if r.lora),
                 "in_use": {str(k): v for k, v in catalog.in_use().items()},
             }
         )

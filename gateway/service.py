@@ -121,6 +121,9 @@ class ChatService:
         prompt = request.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             prompt_ids = [int(t) for t in prompt]
+            vocab = len(self._engine.tokenizer)
+            if max(prompt_ids) >= vocab:
+                raise InvalidRequest(f"token ids must be below the vocabulary size {vocab}", param="prompt")
         else:
             text = prompt if isinstance(prompt, str) else str(prompt[0])
             prompt_ids = await self._run(self._engine.tokenizer.encode, text, size=len(text))

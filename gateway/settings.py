@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
@@ -145,8 +146,9 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
         return GatewaySettings(**init)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
-    except (OSError, ValueError) as exc:  # unreadable or malformed YAML
-        raise ConfigError(f"config: {exc}".splitlines()[0]) from None
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable or malformed YAML
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"config: {detail}") from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -12,6 +12,9 @@ from gateway.engine import Chunk, LoraSpec, SamplingSpec, StepOutput
 class FakeTokenizer:
     """One token per character; a chat template that joins role: content lines."""
 
+    def __len__(self) -> int:
+        return 0x110000
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [ord(c) for c in text]
         return [2, *ids] if add_special_tokens else ids

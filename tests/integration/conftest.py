@@ -1,0 +1,116 @@
+"""A live gateway for integration tests: the real CLI, a real vLLM engine, a real model.
+
+The gateway runs as a subprocess (``python -m gateway serve``) on a free port with its
+own copy of the catalog and adapters, so tests may edit both (hot swap) and may signal
+or kill it. Each test talks to it over HTTP only: the OpenAI SDK and httpx.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 900  # first run prepares the model (~80 s) and starts the engine (~75 s on 2 cores)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveGateway:
+    url: str
+    catalog: Path
+    adapters_root: Path
+    log: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def gateway_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_gateway(workdir: Path, *extra: str, catalog_text: str | None = None) -> LiveGateway:
+    adapters = workdir / "adapters"
+    if not adapters.exists():
+        shutil.copytree(ROOT / "adapters", adapters, ignore=shutil.ignore_patterns("*.py", "*.json.bak", "__pycache__"))
+    catalog = workdir / "adapters.yaml"
+    catalog.write_text(catalog_text if catalog_text is not None else (ROOT / "configs" / "adapters.yaml").read_text())
+    port = free_port()
+    log = workdir / f"gateway-{port}.log"
+    cmd = [
+        sys.executable, "-m", "gateway", "serve",
+        "--port", str(port),
+        "--catalog", str(catalog),
+        "--adapters-root", str(adapters),
+        "--max-num-seqs", "8",
+        "--set", "catalog_poll_s=0.2",
+        *extra,
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=gateway_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    gw = LiveGateway(f"http://127.0.0.1:{port}", catalog, adapters, log, process)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gw.log_tail()}")
+        try:
+            if httpx.get(gw.url + "/ready", timeout=2).status_code == 200:
+                return gw
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    stop_gateway(gw)
+    raise RuntimeError(f"gateway not ready after {START_TIMEOUT_S} s:\n{gw.log_tail()}")
+
+
+def stop_gateway(gw: LiveGateway, timeout: float = 60) -> int:
+    if gw.process.poll() is None:
+        gw.process.send_signal(signal.SIGTERM)
+        try:
+            gw.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(gw.process.pid, signal.SIGKILL)
+            gw.process.wait()
+    return gw.process.returncode
+
+
+@pytest.fixture(scope="session")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    gw = start_gateway(tmp_path_factory.mktemp("gateway"))
+    yield gw
+    stop_gateway(gw)
+
+
+@pytest.fixture(scope="session")
+def base_model(gateway: LiveGateway) -> str:
+    return str(httpx.get(gateway.url + "/ready").json()["model"])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
