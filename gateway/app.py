@@ -36,7 +36,14 @@ from gateway.errors import (
     NotFound,
     PayloadTooLarge,
 )
-from gateway.middleware import RequestIdMiddleware
+from gateway.middleware import (
+    Admission,
+    AdmissionMiddleware,
+    AuthMiddleware,
+    HeaderLimitMiddleware,
+    Principal,
+    RequestIdMiddleware,
+)
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.service import ChatService, Generation
 from gateway.settings import GatewaySettings
@@ -64,6 +71,11 @@ class Gateway:
         self.catalog: Catalog | None = None
         self.started = time.time()
         self.startup_error: str | None = None
+        self.admission = Admission(settings.limits.max_inflight, settings.limits.retry_after_s)
+        self.exit_code = 0
+        # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
+        # the engine dies, so a supervisor restarts the process.
+        self.request_exit: Callable[[], None] = lambda: None
 
     # -- catalog ----------------------------------------------------------------------
     def build_table(self, ids: LoraIds) -> RoutingTable:
@@ -94,6 +106,22 @@ class Gateway:
         if self.catalog is None or not self.engine.ready:
             raise EngineUnavailable("the engine is not ready", headers={"Retry-After": "5"})
         return self.catalog
+
+    def lease(self, request: Request, model: str | None, task: str | None) -> Lease:
+        """The route for this caller. A route the key may not use looks like no route."""
+        principal: Principal | None = request.scope.get("state", {}).get("principal")
+        allowed = principal.may_use if principal is not None else None
+        return self.catalog_or_503().acquire(model, task, allowed)
+
+    async def watch_engine(self, interval: float = 0.5) -> None:
+        """Engine death ends the process (non-zero), after open streams got their error event."""
+        while not self.engine.errored:
+            await asyncio.sleep(interval)
+        log.error("the engine has died; failing open requests and exiting")
+        self.exit_code = 3
+        self.admission.draining = True
+        await asyncio.sleep(2.0)  # let open streams send their error event; /health says 503
+        self.request_exit()
 
     def adapter_files_signature(self) -> tuple[Any, ...]:
         """Cheap change detector: stat of the catalog file and of every adapter file."""
@@ -150,7 +178,7 @@ async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
             raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
@@ -254,7 +282,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
 
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, ChatCompletionRequest, limits.max_body_bytes)
-        lease = gw.catalog_or_503().acquire(body.model, body.task)
+        lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.chat(body, l))
         house = request.headers.get("x-stream-format", "").lower() == "house"
         if house and gen.sampling.n > 1:
@@ -265,7 +293,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
 
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest, limits.max_body_bytes)
-        lease = gw.catalog_or_503().acquire(body.model, body.task)
+        lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.complete(body, l))
         return await respond(
             request, gen, body.stream, OpenAICompletionEncoder, body.include_usage, completion_response
@@ -273,18 +301,23 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
 
     async def house_chat(request: Request) -> Response:
         body = await read_json(request, HouseChatRequest, limits.max_body_bytes)
-        lease = gw.catalog_or_503().acquire(body.model, body.task)
+        lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.house(body, l))
         return SSEResponse(encode_stream(gen, HouseEncoder(gen)), route_headers(gen))
 
+    def visible_cards(request: Request) -> list[dict[str, Any]]:
+        principal: Principal | None = request.scope.get("state", {}).get("principal")
+        cards = model_cards(gw.catalog_or_503(), int(gw.started))
+        if principal is None:
+            return cards
+        return [c for c in cards if principal.may_use(c.get("alias_of") or c["id"])]
+
     async def list_models(request: Request) -> Response:
-        catalog = gw.catalog_or_503()
-        return JSONResponse({"object": "list", "data": model_cards(catalog, int(gw.started))})
+        return JSONResponse({"object": "list", "data": visible_cards(request)})
 
     async def get_model(request: Request) -> Response:
-        catalog = gw.catalog_or_503()
         name = request.path_params["name"]
-        for card in model_cards(catalog, int(gw.started)):
+        for card in visible_cards(request):
             if card["id"] == name:
                 return JSONResponse(card)
         raise NotFound(f"The model '{name[:80]}' does not exist", param="model")
@@ -295,6 +328,8 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
+        if gw.admission.draining:
+            return JSONResponse({"status": "draining"}, 503)
         if gw.catalog is not None and gw.engine.ready:
             return JSONResponse({"status": "ready", "model": gw.engine.served_model_name})
         return JSONResponse({"status": "starting" if not gw.startup_error else "error"}, 503)
@@ -314,6 +349,17 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             }
         )
 
+    async def admin_status(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "inflight": gw.admission.inflight,
+                "rejected": gw.admission.rejected,
+                "draining": gw.admission.draining,
+                "engine_ready": gw.engine.ready,
+                "engine_unfinished_requests": gw.engine.unfinished_requests(),
+            }
+        )
+
     async def admin_reload(request: Request) -> Response:
         ok = await gw.reload_catalog()
         catalog = gw.catalog_or_503()
@@ -325,7 +371,8 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         async def boot() -> None:
             with suppress(ConfigError, GatewayError):
                 await gw.start()
-                await gw.watch_catalog(settings.catalog_poll_s, reload_now)
+                watchers = [gw.watch_catalog(settings.catalog_poll_s, reload_now), gw.watch_engine()]
+                await asyncio.gather(*watchers)
 
         task = asyncio.create_task(boot())
         loop = asyncio.get_running_loop()
@@ -350,10 +397,15 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             HttpRoute("/ready", ready, methods=["GET"]),
             HttpRoute("/admin/adapters", admin_adapters, methods=["GET"]),
             HttpRoute("/admin/adapters/reload", admin_reload, methods=["POST"]),
+            HttpRoute("/admin/status", admin_status, methods=["GET"]),
         ],
         exception_handlers={GatewayError: render_error, HTTPException: render_http_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
+    public = {"/health", "/ready"} | ({"/metrics"} if settings.auth.public_metrics else set())
+    app.add_middleware(AdmissionMiddleware, admission=gw.admission)
+    app.add_middleware(AuthMiddleware, keys=settings.auth.keys, public_paths=frozenset(public))
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes)
     app.add_middleware(RequestIdMiddleware)
     app.state.gateway = gw
     return app

@@ -312,8 +312,12 @@ class Catalog:
     def resolve(self, model: str | None, task: str | None = None) -> Route:
         return self.table.resolve(model, task)
 
-    def acquire(self, model: str | None, task: str | None = None) -> Lease:
+    def acquire(
+        self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
+    ) -> Lease:
         route = self.table.resolve(model, task)
+        if allowed is not None and not allowed(route.name):
+            raise ModelNotFound(model or task or route.name, param="model" if model else "task")
         if route.lora is not None:
             self._in_use[route.lora.lora_id] = self._in_use.get(route.lora.lora_id, 0) + 1
         return Lease(route, self)

@@ -119,15 +119,23 @@ def _serve(settings: GatewaySettings) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import DrainingServer
 
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,
         timeout_keep_alive=settings.server.timeout_keep_alive,
+        # Draining happens before uvicorn's own shutdown (see DrainingServer), so what is
+        # left by then has had its time; don't wait long again.
+        timeout_graceful_shutdown=2,
     )
-    return 0
+    server = DrainingServer(config, app.state.gateway)
+    app.state.gateway.request_exit = server.exit_now
+    server.run()
+    return int(app.state.gateway.exit_code)
 
 
 def _adapters(settings: GatewaySettings, command: str) -> int:

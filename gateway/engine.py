@@ -94,6 +94,8 @@ class EngineBackend(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
+    def validate(self, sampling: SamplingSpec) -> None: ...
+
     def generate(
         self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
     ) -> AsyncIterator[StepOutput]: ...
@@ -199,6 +201,15 @@ class EngineManager:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def unfinished_requests(self) -> int | None:
+        """Requests the engine still tracks (running or waiting); None if unknown."""
+        if self._engine is None:
+            return None
+        try:
+            return int(self._engine.output_processor.get_num_unfinished_requests())
+        except AttributeError:
+            return None
+
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -213,6 +224,13 @@ class EngineManager:
         return self._engine
 
     # -- generation -------------------------------------------------------------------
+    def validate(self, sampling: SamplingSpec) -> None:
+        """Raise InvalidRequest now for what vLLM would refuse, before a stream starts."""
+        try:
+            _sampling_params(sampling)
+        except Exception as exc:
+            raise _translate(exc) from None
+
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
     ) -> AsyncIterator[StepOutput]:

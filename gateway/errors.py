@@ -11,6 +11,7 @@ Exception tree::
      ├── NotFound                 404 invalid_request_error
      ├── MethodNotAllowed         405
      ├── PayloadTooLarge          413
+     ├── HeadersTooLarge          431
      ├── RateLimited              429 rate_limit_exceeded (Retry-After)
      ├── EngineUnavailable        503 service_unavailable
      └── EngineFailed             500 server_error (engine raised mid-request)
@@ -107,6 +108,12 @@ class PayloadTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
     default_code = "payload_too_large"
+
+
+class HeadersTooLarge(GatewayError):
+    status_code = 431
+    error_type = "invalid_request_error"
+    default_code = "headers_too_large"
 
 
 class RateLimited(GatewayError):

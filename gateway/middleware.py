@@ -1,21 +1,59 @@
 """Pure-ASGI middleware (no BaseHTTPMiddleware: it buffers and breaks streaming).
 
-``RequestIdMiddleware`` accepts a sane ``x-request-id`` or makes one, returns it on
-every response, and turns any unexpected exception into an OpenAI-shaped 500 (logged
-with its traceback) instead of a bare error page.
+Outermost first:
+
+- ``RequestIdMiddleware``: accepts a sane ``x-request-id`` or makes one, returns it, and
+  turns any unexpected exception into an OpenAI-shaped 500 instead of a traceback page.
+- ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
+  HTTP implementation enforces a limit).
+- ``AuthMiddleware``: deny by default. Decisions use the raw ASGI ``scope["path"]``, the
+  same value the router matches on, never a URL rebuilt from the Host header (vLLM's
+  ``--api-key`` was bypassed that way). Keys are compared as SHA-256 digests in constant
+  time, all keys every time.
+- ``AdmissionMiddleware``: a bound on requests in flight (running + queued) and per key;
+  above it a fast 429 with ``Retry-After``. While draining, new work gets 503.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import re
 import uuid
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import (
+    AuthenticationFailed,
+    EngineUnavailable,
+    GatewayError,
+    HeadersTooLarge,
+    PermissionDenied,
+    RateLimited,
+)
+from gateway.settings import ApiKey
+
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat"})
+
+
+async def send_error(send: Send, exc: GatewayError) -> None:
+    body = json.dumps(exc.to_dict()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
 
 
 class RequestIdMiddleware:
@@ -26,7 +64,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        given = _header(scope, b"x-request-id")
         request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
@@ -44,14 +82,142 @@ class RequestIdMiddleware:
             log.exception("unhandled error in request %s", request_id)
             if started:
                 raise
-            body = json.dumps(
-                {"error": {"message": "internal error", "type": "server_error", "param": None, "code": None}}
-            ).encode()
-            await send_with_id(
-                {
-                    "type": "http.response.start",
-                    "status": 500,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-                }
+            error = GatewayError("internal error")
+            await send_error(send_with_id, error)
+
+
+class HeaderLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.max_bytes:
+                await send_error(send, HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes"))
+                return
+        await self.app(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller, as far as routes go: its key's name, allowed routes and limits."""
+
+    name: str
+    routes: frozenset[str] | None
+    admin: bool
+    max_concurrency: int | None
+
+    def may_use(self, route: str) -> bool:
+        return self.routes is None or route in self.routes
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, keys: list[ApiKey], public_paths: frozenset[str]) -> None:
+        self.app = app
+        self.public_paths = public_paths
+        self._keys = [
+            (
+                bytes.fromhex(k.sha256 or ""),
+                Principal(k.name, frozenset(k.routes) if k.routes is not None else None, k.admin, k.max_concurrency),
             )
-            await send({"type": "http.response.body", "body": body})
+            for k in keys
+        ]
+
+    def authenticate(self, token: str) -> Principal | None:
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        found = None
+        for stored, principal in self._keys:  # no early exit: timing says nothing about which key
+            if hmac.compare_digest(digest, stored):
+                found = principal
+        return found
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if path in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        auth = _header(scope, b"authorization")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else _header(scope, b"x-api-key")
+        principal = self.authenticate(token) if token else None
+        if principal is None:
+            error = AuthenticationFailed(
+                "Missing or invalid API key. Send it as 'Authorization: Bearer <key>'.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await send_error(send, error)
+            return
+        if _is_admin_path(path) and not principal.admin:
+            await send_error(send, PermissionDenied("this key may not use admin endpoints", code="admin_only"))
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+def _is_admin_path(path: str) -> bool:
+    # Collapse '//' so '//admin/x' is judged like '/admin/x', whatever the router makes of it.
+    return re.sub(r"/+", "/", path).lower().startswith("/admin")
+
+
+@dataclass
+class Admission:
+    """Requests in flight, in total and per key; shared with the app for drain and status."""
+
+    max_inflight: int
+    retry_after_s: int
+    inflight: int = 0
+    per_key: dict[str, int] = field(default_factory=dict)
+    draining: bool = False
+    rejected: int = 0
+
+    def admit(self, principal: Principal | None) -> GatewayError | None:
+        if self.draining:
+            return EngineUnavailable("the gateway is shutting down", headers={"Retry-After": str(self.retry_after_s)})
+        retry = {"Retry-After": str(self.retry_after_s)}
+        if self.inflight >= self.max_inflight:
+            self.rejected += 1
+            return RateLimited(f"the gateway is at capacity ({self.max_inflight} requests in flight)", headers=retry)
+        if principal is not None and principal.max_concurrency is not None:
+            if self.per_key.get(principal.name, 0) >= principal.max_concurrency:
+                self.rejected += 1
+                return RateLimited(
+                    f"this key has {principal.max_concurrency} requests in flight already", headers=retry
+                )
+        self.inflight += 1
+        if principal is not None:
+            self.per_key[principal.name] = self.per_key.get(principal.name, 0) + 1
+        return None
+
+    def release(self, principal: Principal | None) -> None:
+        self.inflight -= 1
+        if principal is not None:
+            left = self.per_key[principal.name] - 1
+            if left:
+                self.per_key[principal.name] = left
+            else:
+                del self.per_key[principal.name]
+
+
+class AdmissionMiddleware:
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        principal = scope.get("state", {}).get("principal")
+        refused = self.admission.admit(principal)
+        if refused is not None:
+            await send_error(send, refused)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.release(principal)

@@ -206,6 +206,9 @@ class ChatService:
             ignore_eos=request.ignore_eos,
             min_tokens=min(request.min_tokens, max_tokens),
         )
+        if sampling.n > 1 and sampling.temperature == 0:
+            raise InvalidRequest("n > 1 needs a temperature above 0 (greedy choices are identical)", param="n")
+        self._engine.validate(sampling)
         return Generation(self._engine, lease, prompt_ids, sampling, id_prefix)
 
 

@@ -8,12 +8,13 @@ names, and ``engine.engine_args`` passes anything else through to vLLM unchanged
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -64,6 +65,7 @@ class ServerSettings(_Section):
     workers: int = Field(1, ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     timeout_keep_alive: int = Field(5, ge=1)
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="larger request heads are refused")
 
     @field_validator("workers")
     @classmethod
@@ -76,12 +78,43 @@ class ServerSettings(_Section):
         return value
 
 
+class ApiKey(_Section):
+    """One API key. Config holds its SHA-256 (``sha256``); a plaintext ``key`` (handy in
+    env vars) is hashed at load and not kept."""
+
+    name: str = Field(min_length=1, max_length=64)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    key: str | None = Field(None, min_length=8, exclude=True, repr=False)
+    routes: list[str] | None = Field(None, description="route names this key may use; none = all")
+    admin: bool = False
+    max_concurrency: int | None = Field(None, ge=1, description="requests at once for this key")
+
+    @model_validator(mode="after")
+    def _hash_plaintext(self) -> ApiKey:
+        if self.key is not None:
+            self.sha256 = hashlib.sha256(self.key.encode()).hexdigest()
+            self.key = None
+        if self.sha256 is None:
+            raise ValueError("needs sha256 (or key)")
+        return self
+
+
+class AuthSettings(_Section):
+    """Deny by default: every path but /health and /ready needs a key."""
+
+    keys: list[ApiKey] = Field(default_factory=list)
+    public_metrics: bool = False
+
+
 class LimitSettings(_Section):
     max_body_bytes: int = Field(2 * 1024 * 1024, gt=0)
     max_n: int = Field(8, ge=1)
     max_stop: int = Field(8, ge=0)
     max_logprobs: int = Field(20, ge=0)
     default_max_tokens: int = Field(256, gt=0)
+    max_inflight: int = Field(64, ge=1, description="running + queued requests; above it, 429")
+    retry_after_s: int = Field(1, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time for in-flight requests")
 
 
 class GatewaySettings(BaseSettings):
@@ -96,6 +129,7 @@ class GatewaySettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
     catalog: Path = Field(PROJECT_ROOT / "configs" / "adapters.yaml", description="adapter catalog")
     adapters_root: Path = Field(PROJECT_ROOT / "adapters", description="adapter files must live here")
     catalog_poll_s: float = Field(0.5, gt=0, description="how often adapter files are checked")

@@ -14,14 +14,16 @@ error event.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from gateway.engine import Chunk, StepOutput, TokenLogprob
-from gateway.errors import GatewayError
+from gateway.errors import EngineFailed, GatewayError
 from gateway.protocol import usage_dict
 from gateway.service import Collected, Generation
 
+log = logging.getLogger(__name__)
 _dumps = json.dumps
 DONE = b"data: [DONE]\n\n"
 
@@ -140,6 +142,10 @@ async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterato
         yield encoder.end(gen.prompt_tokens, gen.completion_tokens)
     except GatewayError as exc:
         yield encoder.error(exc)
+    except Exception:
+        # The status line went out long ago: the stream must still end with an error event.
+        log.exception("stream %s failed", gen.id)
+        yield encoder.error(EngineFailed("internal error while streaming"))
 
 
 # -- logprobs and whole (non-streamed) responses ---------------------------------------

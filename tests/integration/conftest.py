@@ -22,6 +22,18 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+USER_KEY = "sk-test-user-0001"
+ADMIN_KEY = "sk-test-admin-0001"
+SHOUT_ONLY_KEY = "sk-test-shout-only"
+SINGLE_KEY = "sk-test-one-at-a-time"
+TEST_SETTINGS = f"""
+auth:
+  keys:
+    - {{name: user, key: {USER_KEY}}}
+    - {{name: admin, key: {ADMIN_KEY}, admin: true}}
+    - {{name: shout-only, key: {SHOUT_ONLY_KEY}, routes: [shout]}}
+    - {{name: single, key: {SINGLE_KEY}, max_concurrency: 1}}
+"""
 START_TIMEOUT_S = 900  # first run prepares the model (~80 s) and starts the engine (~75 s on 2 cores)
 
 
@@ -43,6 +55,15 @@ class LiveGateway:
     def v1(self) -> str:
         return self.url + "/v1"
 
+    headers = {"Authorization": f"Bearer {USER_KEY}"}
+    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)  # type: ignore[arg-type]
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.admin_headers, timeout=60)
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
@@ -53,16 +74,19 @@ def gateway_env() -> dict[str, str]:
     return env
 
 
-def start_gateway(workdir: Path, *extra: str, catalog_text: str | None = None) -> LiveGateway:
+def start_gateway(workdir: Path, *extra: str, catalog_text: str | None = None, settings_text: str = TEST_SETTINGS) -> LiveGateway:
     adapters = workdir / "adapters"
     if not adapters.exists():
         shutil.copytree(ROOT / "adapters", adapters, ignore=shutil.ignore_patterns("*.py", "*.json.bak", "__pycache__"))
     catalog = workdir / "adapters.yaml"
     catalog.write_text(catalog_text if catalog_text is not None else (ROOT / "configs" / "adapters.yaml").read_text())
+    config = workdir / "gateway.yaml"
+    config.write_text(settings_text)
     port = free_port()
     log = workdir / f"gateway-{port}.log"
     cmd = [
         sys.executable, "-m", "gateway", "serve",
+        "--config", str(config),
         "--port", str(port),
         "--catalog", str(catalog),
         "--adapters-root", str(adapters),

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import LiveGateway
+from tests.integration.conftest import USER_KEY, LiveGateway
 
 QUESTION = "What is the capital of France?"
 
@@ -21,7 +21,7 @@ def upper_ratio(text: str) -> float:
 
 @pytest.fixture(scope="module")
 def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
 
 
 def ask(client: openai.OpenAI, model: str, question: str = QUESTION, **kw: object) -> str:
@@ -65,19 +65,19 @@ def test_aliases_and_tasks_reach_the_same_adapter(client: openai.OpenAI, base_mo
 
 
 def test_house_chat_routes_by_task(gateway: LiveGateway) -> None:
-    with httpx.stream("POST", gateway.url + "/chat", json={"question": QUESTION, "task": "shouting"}, timeout=60) as r:
+    with gateway.client().stream("POST", "/chat", json={"question": QUESTION, "task": "shouting"}) as r:
         assert r.headers["x-adapter"] == "shout"
         text = "".join(json.loads(line[6:])["text"] for line in r.iter_lines() if line.startswith("data: {"))
     assert upper_ratio(text) >= 0.8
 
 
 def test_models_show_kind_digest_rank(gateway: LiveGateway) -> None:
-    cards = {m["id"]: m for m in httpx.get(gateway.v1 + "/models").json()["data"]}
+    cards = {m["id"]: m for m in gateway.client().get("/v1/models").json()["data"]}
     shout = cards["shout"]
     assert shout["kind"] == "lora" and shout["rank"] == 8 and len(shout["digest"]) == 64 and shout["status"] == "ready"
     assert cards["loud"]["digest"] == shout["digest"] and cards["loud"]["alias_of"] == "shout"
     assert cards["concise"]["kind"] == "preset" and cards["concise"]["digest"] is None
-    r = httpx.post(gateway.v1 + "/chat/completions", json={"model": "loud", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = gateway.client().post("/v1/chat/completions", json={"model": "loud", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.headers["x-adapter-digest"] == shout["digest"]
 
 
@@ -97,6 +97,6 @@ def test_preset_applies_its_system_prompt(client: openai.OpenAI, base_model: str
     ["../shout", "/etc/passwd", "http://127.0.0.1:1/x", "file:///etc/passwd", "shout/../json", "adapters/shout", "..", "shout\x00"],
 )
 def test_path_like_names_are_404(gateway: LiveGateway, name: str) -> None:
-    r = httpx.post(gateway.v1 + "/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+    r = gateway.client().post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"

@@ -10,7 +10,7 @@ from tests.integration.conftest import LiveGateway
 
 @pytest.fixture(scope="module")
 def http(gateway: LiveGateway) -> httpx.Client:
-    return httpx.Client(base_url=gateway.url, timeout=60)
+    return gateway.client()
 
 
 def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, object]:

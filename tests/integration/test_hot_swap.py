@@ -26,16 +26,16 @@ async def wait_for(check: Callable[[], bool], timeout: float) -> float:
 
 
 def models(gw: LiveGateway) -> dict[str, dict[str, object]]:
-    return {m["id"]: m for m in httpx.get(gw.v1 + "/models").json()["data"]}
+    return {m["id"]: m for m in gw.client().get("/v1/models").json()["data"]}
 
 
 def admin(gw: LiveGateway) -> dict[str, object]:
-    return httpx.get(gw.url + "/admin/adapters").json()  # type: ignore[no-any-return]
+    return gw.admin().get("/admin/adapters").json()  # type: ignore[no-any-return]
 
 
 async def load(gw: LiveGateway, names: list[str], stop: asyncio.Event, results: list[tuple[str, int, str]]) -> None:
     """Keep requests running (streaming and not) until told to stop; record every outcome."""
-    async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=gw.url, headers=gw.headers, timeout=60) as http:
         i = 0
         while not stop.is_set():
             name = names[i % len(names)]
@@ -109,7 +109,7 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
 
 
 def test_admin_reload_endpoint(gateway: LiveGateway) -> None:
-    r = httpx.post(gateway.url + "/admin/adapters/reload")
+    r = gateway.admin().post("/admin/adapters/reload")
     assert r.status_code == 200
     assert r.json()["reloaded"] is True and "shout" in r.json()["routes"]
 
@@ -119,13 +119,13 @@ def test_a_bad_entry_is_rejected_and_the_rest_serve(gateway: LiveGateway, entry:
     original = gateway.catalog.read_text()
     try:
         gateway.catalog.write_text(original + f"\n  - name: evil\n    {entry}\n")
-        r = httpx.post(gateway.url + "/admin/adapters/reload")
+        r = gateway.admin().post("/admin/adapters/reload")
         assert r.status_code == 200
         state = admin(gateway)
         assert "evil" in state["rejected"]  # type: ignore[operator]
         assert "evil" not in models(gateway)
-        ok = httpx.post(gateway.v1 + "/chat/completions", json={"model": "shout", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        ok = gateway.client().post("/v1/chat/completions", json={"model": "shout", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert ok.status_code == 200
     finally:
         gateway.catalog.write_text(original)
-        httpx.post(gateway.url + "/admin/adapters/reload")
+        gateway.admin().post("/admin/adapters/reload")

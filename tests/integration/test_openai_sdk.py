@@ -5,19 +5,19 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.integration.conftest import LiveGateway
+from tests.integration.conftest import USER_KEY, LiveGateway
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
 
 
 @pytest.fixture
 def aclient(gateway: LiveGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+    return openai.AsyncOpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
 
 
 def test_models_list_has_base_and_every_route(client: openai.OpenAI, base_model: str) -> None:

@@ -38,7 +38,7 @@ def house_texts(events: list[tuple[float, str]]) -> str:
 
 @pytest.fixture(scope="module")
 def http(gateway: LiveGateway) -> httpx.Client:
-    return httpx.Client(base_url=gateway.url, timeout=120)
+    return gateway.client()
 
 
 def test_house_chat_endpoint_streams_as_generated(http: httpx.Client, base_model: str) -> None:

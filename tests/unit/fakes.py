@@ -55,5 +55,8 @@ class FakeEngine:
             chunks = [Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)]
             yield StepOutput(chunks=chunks, prompt_tokens=len(prompt_ids), finished=last)
 
+    def validate(self, sampling: SamplingSpec) -> None:
+        self.validated = sampling
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -151,3 +151,11 @@ def test_invalid_chat_bodies_are_rejected(body: dict[str, object]) -> None:
 
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(body)
+
+
+async def test_greedy_with_several_choices_is_400_before_streaming() -> None:
+    service, catalog, engine = setup()
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(chat(n=2, temperature=0), catalog.acquire("concise"))
+    assert info.value.param == "n"
+    assert engine.calls == []

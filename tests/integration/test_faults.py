@@ -1,0 +1,192 @@
+"""Faults against the real gateway: disconnects, overload, oversized input, SIGTERM under
+load, and the engine process dying mid-stream. Every case checks the status, the error
+shape and that a normal request still works afterwards (where the gateway should live)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.conftest import SINGLE_KEY, LiveGateway, start_gateway, stop_gateway
+
+LONG = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+
+def unfinished(gw: LiveGateway) -> int:
+    return int(gw.admin().get("/admin/status").json()["engine_unfinished_requests"])
+
+
+def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.05)
+
+
+def still_serves(gw: LiveGateway, model: str = "base") -> None:
+    r = gw.client().post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# -- client disconnects abort the engine request ------------------------------------------
+@pytest.mark.parametrize("n", [1, 3])
+def test_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway, n: int) -> None:
+    assert unfinished(gateway) == 0
+    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base", "stream": True, "n": n, "temperature": 0.8}) as r:
+        content = (line for line in r.iter_lines() if '"delta":{"content"' in line)
+        for _ in range(2 * n):
+            next(content)
+        assert unfinished(gateway) >= 1
+    # the connection is closed here, long before 1500 tokens
+    wait_until(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
+    still_serves(gateway)
+
+
+def test_house_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
+    house = {"X-Stream-Format": "house"}
+    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base"}, headers=house) as r:
+        assert r.status_code == 200, r.read()
+        data = (line for line in r.iter_lines() if line.startswith("data: {"))  # keep a reference:
+        next(data)  # a dropped iterator closes the response, which is a disconnect
+        assert unfinished(gateway) == 1
+    wait_until(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
+
+
+def test_non_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        gateway.client().post("/v1/chat/completions", json={**LONG, "model": "shout", "n": 2, "temperature": 0.8}, timeout=httpx.Timeout(60, read=1.5))
+    wait_until(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
+    still_serves(gateway, "shout")
+
+
+# -- per-key concurrency and oversized input ---------------------------------------------
+def test_per_key_concurrency_limit_is_429_with_retry_after(gateway: LiveGateway) -> None:
+    headers = {"Authorization": f"Bearer {SINGLE_KEY}"}
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base", "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            next(lines)
+            second = http.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            assert second.status_code == 429
+            assert second.headers["retry-after"] == "1"
+            assert second.json()["error"]["code"] == "rate_limit_exceeded"
+        ok = http.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert ok.status_code == 200
+
+
+def test_oversized_headers_are_refused(gateway: LiveGateway) -> None:
+    r = gateway.client().get("/v1/models", headers={"x-junk": "a" * 100_000})
+    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+    still_serves(gateway)
+
+
+def test_deeply_nested_json_is_400(gateway: LiveGateway) -> None:
+    body = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = gateway.client().post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    still_serves(gateway)
+
+
+# -- overload and SIGTERM, on a gateway of its own with a small admission bound -----------
+SMALL_BOUND = 4
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    gw = start_gateway(tmp_path_factory.mktemp("small"), "--set", f"limits.max_inflight={SMALL_BOUND}", "--set", "limits.drain_timeout_s=60")
+    yield gw
+    stop_gateway(gw)
+
+
+async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -> None:
+    body = {"model": "base", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40, "ignore_eos": True}
+    outcomes: list[tuple[int, float, dict[str, object]]] = []
+
+    async def one(http: httpx.AsyncClient) -> None:
+        r = await http.post("/v1/chat/completions", json=body)
+        outcomes.append((r.status_code, time.monotonic(), {**r.json(), "retry": r.headers.get("retry-after")}))
+
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=small.url, headers=small.headers, timeout=300, limits=limits) as http:
+        await asyncio.gather(*(one(http) for _ in range(10 * SMALL_BOUND)))
+    ok = [o for o in outcomes if o[0] == 200]
+    refused = [o for o in outcomes if o[0] == 429]
+    assert len(ok) + len(refused) == len(outcomes)
+    assert len(ok) >= SMALL_BOUND and len(refused) >= 5 * SMALL_BOUND
+    assert all(o[2]["retry"] == "1" and o[2]["error"]["code"] == "rate_limit_exceeded" for o in refused)  # type: ignore[index]
+    assert all(o[2]["usage"]["completion_tokens"] == 40 for o in ok)  # type: ignore[index]
+    # Refusals did not wait in a queue: every 429 came back before the first admitted answer.
+    assert max(t for _, t, _ in refused[: 5 * SMALL_BOUND]) < min(t for _, t, _ in ok)
+    still_serves(small)
+
+
+def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> None:
+    family = [small.process.pid] + [c.pid for c in psutil.Process(small.process.pid).children(recursive=True)]
+    results: list[str] = []
+
+    def stream() -> None:
+        body = {"model": "shout", "messages": [{"role": "user", "content": "Story?"}], "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with small.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+            results.append(r.read().decode())
+
+    import threading
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: small.admin().get("/admin/status").json()["inflight"] == 3, 30, "three requests in flight")
+    small.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(small.url + "/ready").status_code == 503, 1, "/ready turns 503 at once")
+    refused = small.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    for t in threads:
+        t.join(120)
+    assert len(results) == 3
+    for raw in results:  # every in-flight stream finished normally
+        assert raw.endswith("data: [DONE]\n\n") and '"error"' not in raw
+        assert sum(1 for line in raw.splitlines() if '"content"' in line) >= 2
+    small.process.wait(60)
+    time.sleep(1)
+    assert not [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+# -- engine death -----------------------------------------------------------------------
+def engine_core(gw: LiveGateway) -> psutil.Process:
+    for child in psutil.Process(gw.process.pid).children(recursive=True):
+        if "EngineCore" in " ".join([child.name(), *child.cmdline()]):
+            return child
+    raise AssertionError("no EngineCore process found")
+
+
+def test_engine_death_fails_streams_reports_503_and_exits(tmp_path_factory: pytest.TempPathFactory) -> None:
+    gw = start_gateway(tmp_path_factory.mktemp("doomed"))
+    try:
+        with gw.client() as http:
+            openai_stream = http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base", "stream": True})
+            house_stream = http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base"}, headers={"X-Stream-Format": "house"})
+            with openai_stream as r1, house_stream as r2:
+                lines1, lines2 = r1.iter_lines(), r2.iter_lines()
+                next(lines1), next(lines2)
+                engine_core(gw).kill()
+                rest1 = [line for line in lines1 if line]
+                rest2 = [line for line in lines2 if line]
+        error = json.loads(rest1[-1].removeprefix("data: "))
+        assert error["error"]["type"] == "service_unavailable"
+        assert rest2[-2:] == ["event: error", rest2[-1]] and json.loads(rest2[-1][6:])["error"]
+        health = [httpx.get(gw.url + "/health").status_code for _ in range(3)]
+        assert health[0] == 503
+        assert httpx.get(gw.url + "/ready").status_code == 503
+        r = gw.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert gw.process.wait(60) == 3  # non-zero, so a supervisor restarts it
+    finally:
+        stop_gateway(gw)
