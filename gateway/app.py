@@ -36,7 +36,9 @@ from gateway.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.middleware import (
+    AccessLogMiddleware,
     Admission,
     AdmissionMiddleware,
     AuthMiddleware,
@@ -71,7 +73,9 @@ class Gateway:
         self.catalog: Catalog | None = None
         self.started = time.time()
         self.startup_error: str | None = None
-        self.admission = Admission(settings.limits.max_inflight, settings.limits.retry_after_s)
+        bound = settings.limits.max_inflight or 4 * settings.engine.max_num_seqs
+        self.admission = Admission(bound, settings.limits.retry_after_s)
+        self.metrics = GatewayMetrics()
         self.exit_code = 0
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
@@ -94,6 +98,7 @@ class Gateway:
             await self.engine.start()
             self._modules = model_module_names(self.engine.model_path or "")
             self.catalog = Catalog(self.build_table, self.engine.remove_lora)
+            self.metrics.set_routes(route_names(self.catalog.table))
             for route in self.catalog.table.routes.values():
                 if route.lora is not None:
                     await self.engine.add_lora(route.lora)  # load now: fail at registration, not first use
@@ -142,7 +147,9 @@ class Gateway:
     async def reload_catalog(self) -> bool:
         catalog = self.catalog_or_503()
         ok = catalog.reload()
+        self.metrics.reloads.labels("ok" if ok else "error").inc()
         if ok:
+            self.metrics.set_routes(route_names(catalog.table))
             for route in catalog.table.routes.values():
                 if route.lora is not None:
                     try:
@@ -195,7 +202,8 @@ class SSEResponse(StreamingResponse):
     """A stream that always watches for the client leaving, whatever the ASGI version,
     so an abandoned request stops in the engine at once rather than at its next token."""
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str], record: RequestRecord | None) -> None:
+        self.record = record
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -206,7 +214,9 @@ class SSEResponse(StreamingResponse):
         stream = asyncio.ensure_future(self.stream_response(send))
         gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
-            await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done and self.record is not None:
+                self.record.disconnected = True
         finally:
             for task in (stream, gone):
                 task.cancel()
@@ -264,6 +274,15 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             lease.release()
             raise
 
+    def track(request: Request, gen: Generation, stream: bool, prompt: Any) -> RequestRecord | None:
+        record: RequestRecord | None = request.scope.get("state", {}).get("record")
+        if record is not None:
+            record.attach(gen, stream)
+            if settings.server.log_prompts:
+                record.prompt = prompt
+        gen.on_gap = gw.metrics.itl.labels(gw.metrics.route_label(gen.route.name)).observe
+        return record
+
     async def respond(
         request: Request,
         gen: Generation,
@@ -271,12 +290,16 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         encoder: type[StreamEncoder] | Any,
         include_usage: bool,
         whole: Callable[[Generation, Any], dict[str, Any]],
+        prompt: Any,
     ) -> Response:
         headers = route_headers(gen)
+        record = track(request, gen, stream, prompt)
         if stream:
-            return SSEResponse(encode_stream(gen, encoder(gen, include_usage)), headers)
+            return SSEResponse(encode_stream(gen, encoder(gen, include_usage)), headers, record)
         result = await collect_unless_gone(request, gen)
         if result is None:  # the client left; nobody reads this (499 is nginx's word for it)
+            if record is not None:
+                record.disconnected = True
             return Response(status_code=499)
         return JSONResponse(whole(gen, result), headers=headers)
 
@@ -289,21 +312,23 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             gen.close()
             raise InvalidRequest("the house stream format carries one choice; use n=1", param="n")
         encoder = HouseEncoder if house else OpenAIChatEncoder
-        return await respond(request, gen, body.stream or house, encoder, body.include_usage, chat_response)
+        prompt = [m.model_dump(exclude_none=True) for m in body.messages]
+        return await respond(request, gen, body.stream or house, encoder, body.include_usage, chat_response, prompt)
 
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest, limits.max_body_bytes)
         lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.complete(body, l))
         return await respond(
-            request, gen, body.stream, OpenAICompletionEncoder, body.include_usage, completion_response
+            request, gen, body.stream, OpenAICompletionEncoder, body.include_usage, completion_response, body.prompt
         )
 
     async def house_chat(request: Request) -> Response:
         body = await read_json(request, HouseChatRequest, limits.max_body_bytes)
         lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.house(body, l))
-        return SSEResponse(encode_stream(gen, HouseEncoder(gen)), route_headers(gen))
+        record = track(request, gen, True, body.question)
+        return SSEResponse(encode_stream(gen, HouseEncoder(gen)), route_headers(gen), record)
 
     def visible_cards(request: Request) -> list[dict[str, Any]]:
         principal: Principal | None = request.scope.get("state", {}).get("principal")
@@ -321,6 +346,12 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             if card["id"] == name:
                 return JSONResponse(card)
         raise NotFound(f"The model '{name[:80]}' does not exist", param="model")
+
+    async def metrics(request: Request) -> Response:
+        m = gw.metrics
+        m.engine_up.set(1 if gw.engine.ready else 0)
+        m.queued.set(gw.engine.unfinished_requests() or 0)
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(request: Request) -> Response:
         if gw.engine.errored or gw.startup_error:
@@ -393,6 +424,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             HttpRoute("/chat", house_chat, methods=["POST"]),
             HttpRoute("/v1/models", list_models, methods=["GET"]),
             HttpRoute("/v1/models/{name:path}", get_model, methods=["GET"]),
+            HttpRoute("/metrics", metrics, methods=["GET"]),
             HttpRoute("/health", health, methods=["GET"]),
             HttpRoute("/ready", ready, methods=["GET"]),
             HttpRoute("/admin/adapters", admin_adapters, methods=["GET"]),
@@ -403,12 +435,17 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         lifespan=lifespan,
     )
     public = {"/health", "/ready"} | ({"/metrics"} if settings.auth.public_metrics else set())
-    app.add_middleware(AdmissionMiddleware, admission=gw.admission)
+    app.add_middleware(AdmissionMiddleware, admission=gw.admission, metrics=gw.metrics)
     app.add_middleware(AuthMiddleware, keys=settings.auth.keys, public_paths=frozenset(public))
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes)
+    app.add_middleware(AccessLogMiddleware, metrics=gw.metrics)
     app.add_middleware(RequestIdMiddleware)
     app.state.gateway = gw
     return app
+
+
+def route_names(table: RoutingTable) -> frozenset[str]:
+    return frozenset(r.name for r in table.all_routes())
 
 
 def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:

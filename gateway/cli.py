@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             return _chat(args)
         settings = load_settings(_overrides(args))
-        logging.basicConfig(
-            level=settings.server.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        _configure_logging(settings.server.log_level)
         if args.command == "serve":
             return _serve(settings)
         if args.command == "prepare-model":
@@ -113,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The access log is one JSON object per line, nothing around it, for log shippers.
+    access = logging.getLogger("gateway.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.propagate = False
 
 
 def _serve(settings: GatewaySettings) -> int:
@@ -131,6 +138,7 @@ def _serve(settings: GatewaySettings) -> int:
         # Draining happens before uvicorn's own shutdown (see DrainingServer), so what is
         # left by then has had its time; don't wait long again.
         timeout_graceful_shutdown=2,
+        access_log=False,  # replaced by the JSON access log (gateway.access)
     )
     server = DrainingServer(config, app.state.gateway)
     app.state.gateway.request_exit = server.exit_now

@@ -144,6 +144,7 @@ class EngineManager:
     def _create_engine(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self.settings
@@ -180,7 +181,9 @@ class EngineManager:
         args.update(s.engine_args)
         args.setdefault("disable_log_stats", False)
         log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if v is not None})
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        # The server usage context gives the same defaults as `vllm serve` (e.g. a larger
+        # max_num_batched_tokens on GPUs), so side-by-side numbers compare like with like.
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER)
 
     async def shutdown(self) -> None:
         engine, self._engine = self._engine, None

@@ -4,6 +4,8 @@ Outermost first:
 
 - ``RequestIdMiddleware``: accepts a sane ``x-request-id`` or makes one, returns it, and
   turns any unexpected exception into an OpenAI-shaped 500 instead of a traceback page.
+- ``AccessLogMiddleware``: one JSON line per request (``gateway.access`` logger) and the
+  request metrics, from a ``RequestRecord`` the app fills in as the request flows.
 - ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
   HTTP implementation enforces a limit).
 - ``AuthMiddleware``: deny by default. Decisions use the raw ASGI ``scope["path"]``, the
@@ -34,9 +36,11 @@ from gateway.errors import (
     PermissionDenied,
     RateLimited,
 )
+from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.settings import ApiKey
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("gateway.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat"})
 
@@ -84,6 +88,37 @@ class RequestIdMiddleware:
                 raise
             error = GatewayError("internal error")
             await send_error(send_with_id, error)
+
+
+class AccessLogMiddleware:
+    quiet_paths = frozenset({"/health", "/ready", "/metrics"})
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.quiet_paths:
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        record = RequestRecord(state.get("request_id", ""), scope["method"], scope["path"][:200])
+        state["record"] = record
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            record.finish()
+            if record.status == 0:  # nothing was sent: the client left, or we failed
+                record.status = 499 if record.disconnected else 500
+            access_log.info(json.dumps(record.log_fields(), ensure_ascii=False))
+            if scope["path"] in INFERENCE_PATHS:
+                self.metrics.observe(record)
 
 
 class HeaderLimitMiddleware:
@@ -204,9 +239,10 @@ class Admission:
 
 
 class AdmissionMiddleware:
-    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+    def __init__(self, app: ASGIApp, admission: Admission, metrics: GatewayMetrics) -> None:
         self.app = app
         self.admission = admission
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
@@ -215,9 +251,13 @@ class AdmissionMiddleware:
         principal = scope.get("state", {}).get("principal")
         refused = self.admission.admit(principal)
         if refused is not None:
+            if refused.status_code == 429:
+                self.metrics.rejected.inc()
             await send_error(send, refused)
             return
+        self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send)
         finally:
             self.admission.release(principal)
+            self.metrics.inflight.dec()

@@ -66,6 +66,7 @@ class ServerSettings(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     timeout_keep_alive: int = Field(5, ge=1)
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="larger request heads are refused")
+    log_prompts: bool = Field(False, description="put prompt text in the access log (off: privacy)")
 
     @field_validator("workers")
     @classmethod
@@ -112,7 +113,9 @@ class LimitSettings(_Section):
     max_stop: int = Field(8, ge=0)
     max_logprobs: int = Field(20, ge=0)
     default_max_tokens: int = Field(256, gt=0)
-    max_inflight: int = Field(64, ge=1, description="running + queued requests; above it, 429")
+    max_inflight: int | None = Field(
+        None, ge=1, description="running + queued requests; above it, 429 (default: 4 x engine.max_num_seqs)"
+    )
     retry_after_s: int = Field(1, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time for in-flight requests")
 

@@ -1,0 +1,130 @@
+"""Prometheus metrics and the per-request record behind the access log.
+
+Route labels come only from the catalog (anything else is ``unknown``), status labels
+from a fixed set, so cardinality is bounded whatever clients send. vLLM's own metrics
+(``vllm:*``) live in the same default registry and are exposed as they are.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+UNKNOWN = "unknown"
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+
+
+@dataclass
+class RequestRecord:
+    """What one request did; filled in as it flows, logged and counted at its end."""
+
+    request_id: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.monotonic)
+    route: str | None = None
+    digest: str | None = None
+    stream: bool = False
+    status: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    disconnected: bool = False
+    prompt: Any = None
+    generation: Any = None  # service.Generation, once the request reached the engine
+
+    def attach(self, gen: Any, stream: bool) -> None:
+        self.generation = gen
+        self.route = gen.route.name
+        self.digest = gen.route.digest
+        self.stream = stream
+
+    def finish(self) -> None:
+        gen = self.generation
+        if gen is not None:
+            self.prompt_tokens = gen.prompt_tokens
+            self.completion_tokens = gen.completion_tokens
+            self.first_token_at = gen.first_token_at
+
+    def log_fields(self) -> dict[str, Any]:
+        now = time.monotonic()
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "method": self.method,
+            "path": self.path,
+            "route": self.route,
+            "adapter_digest": self.digest,
+            "status": self.status,
+            "stream": self.stream,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_ms": round((self.first_token_at - self.started) * 1000, 2) if self.first_token_at else None,
+            "duration_ms": round((now - self.started) * 1000, 2),
+            "client_disconnected": self.disconnected,
+        }
+        if self.prompt is not None:
+            fields["prompt"] = self.prompt
+        return fields
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # A registry of our own (an app per test must not clash); vLLM's metrics stay in
+        # the default registry and are rendered after ours.
+        self.registry = registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "gateway_requests", "Inference requests by route, status and streaming",
+            ["route", "status", "stream"], registry=registry,
+        )
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens by route", ["route"], registry=registry)
+        self.completion_tokens = Counter(
+            "gateway_completion_tokens", "Completion tokens by route", ["route"], registry=registry
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds", "Time to first token", ["route"], buckets=_LATENCY, registry=registry
+        )
+        self.itl = Histogram(
+            "gateway_inter_token_latency_seconds", "Gap between streamed engine steps", ["route"],
+            buckets=_GAP, registry=registry,
+        )
+        self.e2e = Histogram(
+            "gateway_request_duration_seconds", "End-to-end request latency", ["route"], buckets=_LATENCY,
+            registry=registry,
+        )
+        self.inflight = Gauge("gateway_inflight_requests", "Requests admitted and not finished", registry=registry)
+        self.queued = Gauge(
+            "gateway_engine_queued_requests", "Requests the engine holds but has not finished", registry=registry
+        )
+        self.rejected = Counter("gateway_admission_rejected", "Requests refused with 429", registry=registry)
+        self.reloads = Counter("gateway_adapter_reloads", "Catalog reloads by result", ["result"], registry=registry)
+        self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
+        self._routes: frozenset[str] = frozenset()
+
+    def set_routes(self, names: frozenset[str]) -> None:
+        self._routes = names
+
+    def route_label(self, name: str | None) -> str:
+        return name if name is not None and name in self._routes else UNKNOWN
+
+    def observe(self, record: RequestRecord) -> None:
+        route = self.route_label(record.route)
+        status = str(record.status) if record.status in _STATUSES else "other"
+        self.requests.labels(route, status, "true" if record.stream else "false").inc()
+        if record.prompt_tokens:
+            self.prompt_tokens.labels(route).inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self.completion_tokens.labels(route).inc(record.completion_tokens)
+        if record.first_token_at is not None:
+            self.ttft.labels(route).observe(record.first_token_at - record.started)
+        if record.status == 200:
+            self.e2e.labels(route).observe(time.monotonic() - record.started)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry) + generate_latest(REGISTRY)
+
+
+_STATUSES = {200, 400, 401, 403, 404, 405, 413, 429, 431, 499, 500, 503}
