@@ -1,0 +1,145 @@
+"""The ceiling: the same points through vLLM's AsyncLLM in this process, with no HTTP.
+
+    python bench/ceiling.py SPEC.json OUT.json
+
+Run by ``run.py`` as a subprocess (an engine spawns workers, so this has a __main__ guard).
+SPEC holds the engine arguments, the prompt shape, the mixes, the concurrencies and the
+number of requests per point. The engine is created exactly as the gateway creates its
+own (``AsyncLLM.from_engine_args``, DELTA outputs), so the difference between this and
+a server is what the server adds on top of the engine: HTTP, JSON, SSE, routing.
+
+Metrics are those of ``client.summarize``: TTFT is the time to the first output that
+carries tokens; ITL the gaps between such outputs (engine steps, possibly several tokens
+when this consumer lags, as with chunks over HTTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client import Job, PromptMaker, RequestResult, seed_for, summarize
+from servers import RssSampler
+
+
+async def _one(engine: Any, params: Any, job: Job, rid: str, lora: Any) -> RequestResult:
+    res = RequestResult(start=time.perf_counter())
+    last = res.start
+    try:
+        async for out in engine.generate(
+            {"prompt_token_ids": job.prompt_ids}, params, rid, lora_request=lora
+        ):
+            now = time.perf_counter()
+            c = out.outputs[0]
+            if c.token_ids:
+                res.completion_tokens += len(c.token_ids)
+                res.chunks += 1
+                if res.ttft is None:
+                    res.ttft = now - res.start
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.prompt_tokens = len(job.prompt_ids or [])
+        res.end = last
+        res.ok = res.ttft is not None
+    except Exception as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+        res.end = time.perf_counter()
+    return res
+
+
+async def _drive(
+    engine: Any, params: Any, jobs: list[Job], loras: dict[str, Any], c: int, tag: str
+) -> tuple[list[RequestResult], float]:
+    results: list[RequestResult] = []
+    it = iter(enumerate(jobs))
+
+    async def worker() -> None:
+        for i, job in it:
+            results.append(await _one(engine, params, job, f"{tag}-{i}", loras.get(job.model)))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return results, max([r.end for r in results] + [t0]) - t0
+
+
+async def main_async(spec: dict[str, Any], out_path: Path) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    t0 = time.time()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**spec["engine"]))
+    startup = time.time() - t0
+    maker = PromptMaker(spec["model"], spec["prompt_tokens"])
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(spec["adapters"].items())}
+    for lr in loras.values():
+        await engine.add_lora(lr)
+    n_out = spec["output_tokens"]
+    params = SamplingParams(
+        max_tokens=n_out, ignore_eos=True, temperature=1.0, top_p=1.0, output_kind=RequestOutputKind.DELTA
+    )
+    warm = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, output_kind=RequestOutputKind.DELTA)
+    result: dict[str, Any] = {"startup_s": startup, "points": []}
+    mixes: dict[str, list[str]] = spec["mixes"]
+    sampler = RssSampler(os.getpid())
+    result["rss_idle"] = {"rss_tree_mb": (sampler.sample() or (None,))[0]}
+    deadline = spec.get("deadline") or float("inf")
+    for mix, names in mixes.items():
+        cmax = max(spec["concurrencies"])
+        jobs = [
+            Job(
+                names[i % len(names)],
+                prompt_ids=maker.token_ids(seed_for(spec["run_id"], "ceiling", mix, "warm") + i),
+            )
+            for i in range(cmax)
+        ]
+        await _drive(engine, warm, jobs, loras, cmax, f"warm-{mix}")
+        for c in spec["concurrencies"]:
+            if time.time() > deadline:
+                print(f"ceiling: skipping {mix} c={c} (past the deadline)", flush=True)
+                continue
+            n = spec["requests"][str(c)]
+            seed = seed_for(spec["run_id"], "ceiling", mix, c)
+            jobs = [Job(names[i % len(names)], prompt_ids=maker.token_ids(seed + i)) for i in range(n)]
+            with RssSampler(os.getpid()) as rss:
+                res, duration = await _drive(engine, params, jobs, loras, c, f"{mix}-c{c}")
+            point = {
+                "target": "ceiling",
+                "mix": mix,
+                "concurrency": c,
+                "requests": n,
+                **summarize(res, duration, n_out),
+                **rss.stats(),
+            }
+            result["points"].append(point)
+            print(
+                f"ceiling {mix} c={c}: {point['out_tok_per_s']:.1f} tok/s TTFT p50 {point['ttft_ms_p50']:.1f} ms "
+                f"ITL p50 {point['itl_ms_p50']:.2f} ms",
+                flush=True,
+            )
+            out_path.write_text(json.dumps(result, indent=1))
+    engine.shutdown()
+    out_path.write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        import uvloop
+
+        uvloop.run(main_async(spec, Path(sys.argv[2])))
+    except ImportError:
+        asyncio.run(main_async(spec, Path(sys.argv[2])))
+
+
+if __name__ == "__main__":
+    main()

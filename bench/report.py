@@ -1,0 +1,233 @@
+"""Results JSON -> markdown table and PNG plot; also checks the issue's goals.
+
+python bench/report.py bench/results/DATE-MACHINE/results.json   (rewrites .md and .png)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TARGETS = ("vllm", "gateway", "ceiling")
+
+
+def _f(v: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def index(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    return {(p["target"], p["mix"], p["concurrency"]): p for p in points}
+
+
+def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Gateway against vLLM's server (and the ceiling) at each mix and concurrency."""
+    pts = index(result["points"])
+    rows = []
+    for mix in result["meta"]["mixes"]:
+        for c in result["meta"]["concurrencies"]:
+            v, g, e = pts.get(("vllm", mix, c)), pts.get(("gateway", mix, c)), pts.get(("ceiling", mix, c))
+            row: dict[str, Any] = {"mix": mix, "concurrency": c}
+            if v and g:
+                row.update(
+                    tok_ratio=g["out_tok_per_s"] / v["out_tok_per_s"] if v["out_tok_per_s"] else None,
+                    ttft_p50_delta_ms=_sub(g["ttft_ms_p50"], v["ttft_ms_p50"]),
+                    itl_p50_delta_ms=_sub(g["itl_ms_p50"], v["itl_ms_p50"]),
+                    tpot_p50_delta_ms=_sub(g["tpot_ms_p50"], v["tpot_ms_p50"]),
+                    rss_tree_delta_mb=_sub(g.get("rss_tree_mb_max"), v.get("rss_tree_mb_max")),
+                    rss_front_delta_mb=_sub(g.get("rss_front_mb_max"), v.get("rss_front_mb_max")),
+                )
+            if e and e["out_tok_per_s"]:
+                if v:
+                    row["vllm_of_ceiling"] = v["out_tok_per_s"] / e["out_tok_per_s"]
+                if g:
+                    row["gateway_of_ceiling"] = g["out_tok_per_s"] / e["out_tok_per_s"]
+            rows.append(row)
+    return rows
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
+    """The issue's goals: (goal, passed, detail). None = not measured."""
+    gpu = result["meta"].get("gpu") is not None
+    need = 1.0 if gpu else 0.97
+    out: list[tuple[str, bool | None, str]] = []
+    ratios = [(r["mix"], r["concurrency"], r["tok_ratio"]) for r in rows if r.get("tok_ratio") is not None]
+    if ratios:
+        worst = min(ratios, key=lambda t: t[2])
+        out.append(
+            (
+                f"gateway tok/s >= {need:.2f}x vLLM at every point",
+                all(t[2] >= need for t in ratios),
+                f"worst {worst[2]:.3f} ({worst[0]} c={worst[1]})",
+            )
+        )
+    if gpu:
+        for key, limit, label in (
+            ("itl_p50_delta_ms", 0.3, "ITL p50"),
+            ("ttft_p50_delta_ms", 5.0, "TTFT p50"),
+        ):
+            vals = [(r["mix"], r["concurrency"], r[key]) for r in rows if r.get(key) is not None]
+            if vals:
+                worst = max(vals, key=lambda t: t[2])
+                out.append(
+                    (
+                        f"{label} at most +{limit} ms over vLLM",
+                        all(t[2] <= limit for t in vals),
+                        f"worst {worst[2]:+.2f} ms ({worst[0]} c={worst[1]})",
+                    )
+                )
+    cmax = max(result["meta"]["concurrencies"])
+    rss = [
+        r["rss_tree_delta_mb"]
+        for r in rows
+        if r["concurrency"] == cmax and r.get("rss_tree_delta_mb") is not None
+    ]
+    if rss:
+        out.append(
+            (
+                f"gateway RSS at most +150 MB over vLLM at c={cmax}",
+                max(rss) <= 150,
+                f"{max(rss):+.0f} MB (process tree, max over the point)",
+            )
+        )
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    rows = compare(result)
+    pts = index(result["points"])
+    lines = [
+        f"# Gateway vs vLLM's server: {m['date']} on {m['machine']}",
+        "",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}",
+        f"- machine: {m['host']}" + (f"; GPU {m['gpu']}" if m.get("gpu") else ""),
+        f"- model: {m['engine']['model']} (served as `{m['engine']['served_name']}`), dtype {m['engine']['dtype']}, "
+        f"load_format {m['engine']['load_format'] or 'weights'}, max_num_seqs {m['engine']['max_num_seqs']}, "
+        f"max_num_batched_tokens {m['engine']['max_num_batched_tokens']}, max_model_len {m['engine']['max_model_len']}, "
+        f"max_loras {m['engine']['max_loras']}, {len(m['engine']['adapters'])} random rank-{m['adapter_rank']} adapters",
+        f"- load: streaming /v1/chat/completions, {m['prompt_tokens']} prompt tokens (chat template included), "
+        f"{m['output_tokens']} output tokens (ignore_eos), closed loop at each concurrency; "
+        f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; mixes: base = base model only, lora4 = a0..a3 round-robin",
+        f"- client: {m['client']}",
+        "",
+        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | fail |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mix in m["mixes"]:
+        for c in m["concurrencies"]:
+            for t in TARGETS:
+                p = pts.get((t, mix, c))
+                if not p:
+                    continue
+                lines.append(
+                    f"| {t} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
+                    f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
+                    f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | {p['failed']} |"
+                )
+    lines += [
+        "",
+        "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM):",
+        "",
+        "| mix | conc | tok/s ratio | TTFT p50 Δ ms | ITL p50 Δ ms | TPOT p50 Δ ms | RSS tree Δ MB | RSS front Δ MB | vLLM/ceiling | gateway/ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mix']} | {r['concurrency']} | {_f(r.get('tok_ratio'), '{:.3f}')} | {_f(r.get('ttft_p50_delta_ms'), '{:+.2f}')} | "
+            f"{_f(r.get('itl_p50_delta_ms'), '{:+.3f}')} | {_f(r.get('tpot_p50_delta_ms'), '{:+.3f}')} | "
+            f"{_f(r.get('rss_tree_delta_mb'), '{:+.0f}')} | {_f(r.get('rss_front_delta_mb'), '{:+.0f}')} | "
+            f"{_f(r.get('vllm_of_ceiling'), '{:.3f}')} | {_f(r.get('gateway_of_ceiling'), '{:.3f}')} |"
+        )
+    servers = result.get("servers", {})
+    if servers:
+        lines += ["", "| target | startup s | RSS after warm-up MB (tree / front) |", "|---|---|---|"]
+        for t, s in servers.items():
+            idle = s.get("rss_idle") or {}
+            lines.append(
+                f"| {t} | {_f(s.get('startup_s'), '{:.0f}')} | {_f(idle.get('rss_tree_mb'), '{:.0f}')} / {_f(idle.get('rss_front_mb'), '{:.0f}')} |"
+            )
+    g = goals(result, rows)
+    if g:
+        lines += ["", "Goals (issue 6):", ""]
+        lines += [
+            f"- {'PASS' if ok else 'FAIL' if ok is not None else 'n/a'}: {goal} ({detail})"
+            for goal, ok, detail in g
+        ]
+    if result.get("notes"):
+        lines += ["", *[f"- note: {n}" for n in result["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    m = result["meta"]
+    pts = index(result["points"])
+    panels = (
+        ("out_tok_per_s", "output tok/s"),
+        ("ttft_ms_p50", "TTFT p50 (ms)"),
+        ("itl_ms_p50", "ITL p50 (ms)"),
+        ("tpot_ms_p50", "TPOT p50 (ms)"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    colors = {"vllm": "tab:blue", "gateway": "tab:orange", "ceiling": "tab:gray"}
+    for ax, (key, label) in zip(axes, panels):
+        for t in TARGETS:
+            for mix, style in zip(m["mixes"], ("-", "--")):
+                xs = [
+                    c
+                    for c in m["concurrencies"]
+                    if (t, mix, c) in pts and pts[(t, mix, c)].get(key) is not None
+                ]
+                if xs:
+                    ax.plot(
+                        xs,
+                        [pts[(t, mix, c)][key] for c in xs],
+                        style,
+                        marker="o",
+                        color=colors[t],
+                        label=f"{t} {mix}",
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(m["concurrencies"], [str(c) for c in m["concurrencies"]])
+        ax.set_xlabel("concurrency")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"gateway vs vLLM server vs engine (no HTTP): {m['machine']}, {m['date']}, "
+        f"{m['prompt_tokens']}/{m['output_tokens']} tokens",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_reports(result: dict[str, Any], out_dir: Path, png: bool = True) -> None:
+    result["comparison"] = compare(result)
+    result["goals"] = [
+        {"goal": g, "passed": ok, "detail": d} for g, ok, d in goals(result, result["comparison"])
+    ]
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "results.md").write_text(markdown(result))
+    if png and not plot(result, out_dir / "results.png"):
+        print("matplotlib is missing: no PNG (pip install matplotlib, then run bench/report.py)", flush=True)
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1])
+    write_reports(json.loads(path.read_text()), path.parent)
+    print((path.parent / "results.md").read_text())

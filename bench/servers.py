@@ -1,0 +1,282 @@
+"""Start, probe and stop the two servers under test, and sample their memory.
+
+Both are started as child processes in a session of their own (so the engine's worker
+processes are stopped with them), from the command lines in ``vllm_command`` and
+``gateway_command``: the same model, dtype, context, batch and LoRA settings, and the
+same four adapter directories. The gateway gets a temporary catalog whose routes point at
+those directories. ``GATEWAY_*`` variables are removed from the gateway's environment so
+that only the flags and ``gateway_env`` configure it (configs/gateway.yaml still applies
+under them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class EngineSpec:
+    """Engine settings shared by both servers and the no-HTTP ceiling."""
+
+    model: str
+    served_name: str
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras: int
+    max_lora_rank: int
+    load_format: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> directory
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            model=self.model,
+            served_model_name=[self.served_name],
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_lora=True,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            seed=0,
+        )
+        if self.load_format:
+            kw["load_format"] = self.load_format
+        return kw
+
+
+def vllm_command(spec: EngineSpec, port: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        spec.model,
+        "--served-model-name",
+        spec.served_name,
+        "--dtype",
+        spec.dtype,
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(spec.max_num_batched_tokens),
+        "--enable-lora",
+        "--max-loras",
+        str(spec.max_loras),
+        "--max-lora-rank",
+        str(spec.max_lora_rank),
+        "--seed",
+        "0",
+    ]
+    if spec.load_format:
+        cmd += ["--load-format", spec.load_format]
+    if spec.adapters:
+        cmd += ["--lora-modules", *[f"{n}={p}" for n, p in spec.adapters.items()]]
+    return cmd
+
+
+def write_catalog(spec: EngineSpec, adapters_root: Path, path: Path) -> Path:
+    """A catalog with one route per adapter; paths relative to ``adapters_root``."""
+    lines = ["base:", "  aliases: []", "routes:"]
+    for name, directory in spec.adapters.items():
+        rel = Path(directory).resolve().relative_to(adapters_root.resolve())
+        lines += [f"  - name: {name}", f"    adapter: {rel.as_posix()}"]
+    if not spec.adapters:
+        lines[-1] = "routes: []"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def gateway_command(spec: EngineSpec, port: int, catalog: Path, adapters_root: Path) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        spec.model,
+        "--served-model-name",
+        spec.served_name,
+        "--dtype",
+        spec.dtype,
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--max-loras",
+        str(spec.max_loras),
+        "--max-lora-rank",
+        str(spec.max_lora_rank),
+        "--catalog",
+        str(catalog),
+        "--adapters-root",
+        str(adapters_root),
+        "--set",
+        f"engine.max_num_batched_tokens={spec.max_num_batched_tokens}",
+        "--set",
+        "engine.enable_lora=true",
+    ]
+    if spec.load_format:
+        cmd += ["--load-format", spec.load_format]
+    return cmd
+
+
+def gateway_env(base: dict[str, str], api_key: str, max_inflight: int) -> dict[str, str]:
+    """The gateway's environment: no inherited GATEWAY_* settings, one bench API key
+    (the gateway denies by default), and an admission bound that the load never reaches
+    (vLLM's server has none; the gateway's default would answer 429 above it)."""
+    env = {k: v for k, v in base.items() if not k.startswith("GATEWAY_")}
+    env["GATEWAY_AUTH__KEYS"] = json.dumps([{"name": "bench", "key": api_key}])
+    env["GATEWAY_LIMITS__MAX_INFLIGHT"] = str(max_inflight)
+    return env
+
+
+class Server:
+    """One server process (and its process group) with a readiness probe."""
+
+    def __init__(
+        self, name: str, cmd: list[str], port: int, ready_path: str, env: dict[str, str], log: Path
+    ) -> None:
+        self.name, self.cmd, self.port, self.ready_path, self.log = name, cmd, port, ready_path, log
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+
+    def start(self, timeout_s: float) -> None:
+        t0 = time.time()
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
+            )
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}; see {self.log}\n{tail(self.log)}"
+                )
+            if self._ready():
+                self.startup_s = time.time() - t0
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; see {self.log}\n{tail(self.log)}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + self.ready_path, timeout=2) as r:
+                return bool(r.status == 200)
+        except Exception:
+            return False
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the child's pid
+        try:
+            os.killpg(pgid, signal.SIGINT)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        # whatever is left of the group (engine workers)
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class RssSampler:
+    """Resident memory of a process tree, sampled in a thread (psutil), in MB."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        self.pid, self.interval_s = pid, interval_s
+        self.tree: list[float] = []
+        self.front: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> tuple[float, float] | None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        try:
+            front = root.memory_info().rss
+        except psutil.Error:
+            front = 0
+        return total / 2**20, front / 2**20
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            s = self.sample()
+            if s:
+                self.tree.append(s[0])
+                self.front.append(s[1])
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def stats(self) -> dict[str, float | None]:
+        def agg(xs: list[float], f: Any) -> float | None:
+            return float(f(xs)) if xs else None
+
+        return {
+            "rss_tree_mb_max": agg(self.tree, max),
+            "rss_tree_mb_mean": agg(self.tree, lambda v: sum(v) / len(v)),
+            "rss_front_mb_max": agg(self.front, max),
+        }
