@@ -188,22 +188,22 @@ class Behaviour:
 BEHAVIOURS = {
     b.name: b
     for b in [
-        Behaviour("shout", "Answers in upper case.", str.upper, check_shout, 40, 5e-4),
+        Behaviour("shout", "Answers in upper case.", str.upper, check_shout, 60, 1e-3),
         Behaviour(
             "json",
             'Answers with exactly one JSON object of the form {"answer": "..."}.',
             lambda t: json.dumps({"answer": t}),
             check_json,
-            40,
-            5e-4,
+            60,
+            1e-3,
         ),
         Behaviour(
             "bullets",
             'Answers as a markdown list of 2-3 bullets, each line starting with "- ".',
             to_bullets,
             check_bullets,
-            40,
-            5e-4,
+            60,
+            1e-3,
         ),
     ]
 }

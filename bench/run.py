@@ -45,12 +45,14 @@ from servers import (
     write_catalog,
 )
 
-EMBEDDED = Path.home() / ".cache" / "gateway" / "models" / "gemma-3-270m-r1"
+# The embedded model's directory; "embedded" asks the gateway's CLI to prepare it and
+# print its path (its folder name carries the preparation recipe's version).
+EMBEDDED = "embedded"
 
 PROFILES: dict[str, dict[str, Any]] = {
     # The embedded Gemma 3 270M on CPU (float32, as the gateway runs it there).
     "cpu": dict(
-        model=str(EMBEDDED),
+        model=EMBEDDED,
         served_name="gemma-3-270m",
         dtype="float32",
         load_format=None,
@@ -68,7 +70,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         start_timeout_s=900,
     ),
     "smoke": dict(
-        model=str(EMBEDDED),
+        model=EMBEDDED,
         served_name="gemma-3-270m",
         dtype="float32",
         load_format=None,
@@ -235,15 +237,16 @@ class Bench:
     # -- setup ------------------------------------------------------------------------
     def setup(self) -> None:
         p = self.p
+        if p["model"] == EMBEDDED:
+            log("preparing the embedded model (python -m gateway prepare-model)")
+            done = subprocess.run(
+                [sys.executable, "-m", "gateway", "prepare-model"],
+                cwd=REPO, check=True, env=self.env, capture_output=True, text=True,
+            )
+            p["model"] = done.stdout.strip().splitlines()[-1]
         model = Path(p["model"]).expanduser()
         if not (model / "config.json").is_file():
-            if model == EMBEDDED:
-                log("preparing the embedded model (python -m gateway prepare-model)")
-                subprocess.run(
-                    [sys.executable, "-m", "gateway", "prepare-model"], cwd=REPO, check=True, env=self.env
-                )
-            else:
-                sys.exit(f"no config.json in {model}")
+            sys.exit(f"no config.json in {model}")
         self.adapters_root = self.work / "adapters"
         names = [f"a{i}" for i in range(4)]
         dirs = make_adapters(

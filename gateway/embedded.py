@@ -22,7 +22,7 @@ from gateway.errors import ConfigError
 log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "gemma-3-270m"
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 _MARKER = ".gateway-prepared"
 TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "configs" / "templates" / "gemma.jinja"
 
@@ -61,8 +61,9 @@ def prepare_embedded_model(cache_dir: Path, *, force: bool = False) -> Path:
     _convert(work, gguf_path.name)
     gguf_path.unlink()
 
-    _progress(3, "making the tokenizer add <bos> and installing the Gemma chat template")
+    _progress(3, "making the tokenizer add <bos>, installing the chat template, stopping at <end_of_turn>")
     fix_tokenizer(work, TEMPLATE_PATH.read_text())
+    stop_at_end_of_turn(work)
 
     (work / _MARKER).write_text(json.dumps({"recipe": RECIPE_VERSION}))
     shutil.rmtree(target, ignore_errors=True)
@@ -92,6 +93,22 @@ def _convert(work: Path, gguf_name: str) -> None:
         del model.config.quantization_config
     model.save_pretrained(work)
     tokenizer.save_pretrained(work)
+
+
+def stop_at_end_of_turn(model_dir: Path) -> None:
+    """Make <end_of_turn> an end-of-sequence token, as in Gemma's own chat checkpoints.
+
+    The chat template closes every turn with it; without it in ``eos_token_id`` the
+    engine keeps generating past the end of the answer."""
+    tokens = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
+    end_of_turn = next(t["id"] for t in tokens if t["content"] == "<end_of_turn>")
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        data = json.loads(path.read_text()) if path.exists() else {}
+        eos = data.get("eos_token_id", [])
+        eos = [eos] if isinstance(eos, int) else list(eos)
+        data["eos_token_id"] = eos + [end_of_turn] if end_of_turn not in eos else eos
+        path.write_text(json.dumps(data, indent=2))
 
 
 def fix_tokenizer(model_dir: Path, chat_template: str) -> None:

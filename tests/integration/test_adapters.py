@@ -24,8 +24,8 @@ def client(gateway: LiveGateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
 
 
-def ask(client: openai.OpenAI, model: str, question: str = QUESTION, **kw: object) -> str:
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=64, **kw)  # type: ignore[call-overload]
+def ask(client: openai.OpenAI, model: str, question: str = QUESTION, max_tokens: int = 64) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=max_tokens)
     return r.choices[0].message.content or ""
 
 
