@@ -31,7 +31,7 @@ import torch
 
 ADAPTERS_DIR = Path(__file__).resolve().parent
 DATA_CACHE = ADAPTERS_DIR / "train_data.json"
-DEFAULT_MODEL_DIR = Path.home() / ".cache/gateway/models/gemma-3-270m-r1"
+MODELS_CACHE = Path.home() / ".cache/gateway/models"
 BASE_MODEL_NAME = "gemma-3-270m"  # written into adapter configs instead of a local path
 
 SEED = 1234
@@ -42,6 +42,18 @@ BATCH_SIZE = 4
 MAX_LEN = 96
 BASE_GEN_TOKENS = 32
 EVAL_GEN_TOKENS = 48
+
+
+def default_model_dir() -> Path:
+    # Follow the gateway's preparation recipe, so a recipe bump does not leave the default
+    # pointing at a stale cache folder.
+    sys.path.insert(0, str(ADAPTERS_DIR.parent))
+    try:
+        from gateway.embedded import embedded_model_dir
+    except ImportError:
+        return MODELS_CACHE / "gemma-3-270m-r2"
+    return embedded_model_dir(MODELS_CACHE)
+
 
 # (question, canned answer). Canned answers are only used when the base model's own answer
 # is unusable; they are two or three short sentences so the bullets format gets 2-3 items.
@@ -442,7 +454,9 @@ def evaluate(model, tokenizer, behaviour: Behaviour) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description="Train the demo LoRA adapters for gemma-3-270m on CPU.")
     parser.add_argument("--only", default=",".join(BEHAVIOURS), help="comma-separated adapters (default: all)")
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="prepared base model directory")
+    parser.add_argument(
+        "--model-dir", type=Path, default=default_model_dir(), help="prepared base model directory (default: %(default)s)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps per adapter (default: per adapter)")
     args = parser.parse_args()
 

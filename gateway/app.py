@@ -46,6 +46,7 @@ from gateway.middleware import (
     Principal,
     RequestIdMiddleware,
 )
+from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.service import ChatService, Generation
 from gateway.settings import GatewaySettings
@@ -427,6 +428,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             HttpRoute("/metrics", metrics, methods=["GET"]),
             HttpRoute("/health", health, methods=["GET"]),
             HttpRoute("/ready", ready, methods=["GET"]),
+            HttpRoute("/playground", playground, methods=["GET"]),
             HttpRoute("/admin/adapters", admin_adapters, methods=["GET"]),
             HttpRoute("/admin/adapters/reload", admin_reload, methods=["POST"]),
             HttpRoute("/admin/status", admin_status, methods=["GET"]),
@@ -434,7 +436,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         exception_handlers={GatewayError: render_error, HTTPException: render_http_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
-    public = {"/health", "/ready"} | ({"/metrics"} if settings.auth.public_metrics else set())
+    public = {"/health", "/ready", "/playground"} | ({"/metrics"} if settings.auth.public_metrics else set())
     app.add_middleware(AdmissionMiddleware, admission=gw.admission, metrics=gw.metrics)
     app.add_middleware(AuthMiddleware, keys=settings.auth.keys, public_paths=frozenset(public))
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes)
