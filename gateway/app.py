@@ -164,10 +164,9 @@ class Gateway:
         while True:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(reload_now.wait(), timeout=interval)
+            asked = reload_now.is_set()  # SIGHUP reloads even when no file changed
             reload_now.clear()
-            current = self.adapter_files_signature()
-            if current != last or reload_now.is_set():
-                last = current
+            if asked or self.adapter_files_signature() != last:
                 await self.reload_catalog()
                 last = self.adapter_files_signature()
             if self.catalog is not None:

@@ -139,3 +139,12 @@ def test_a_bad_entry_is_rejected_and_the_rest_serve(gateway: LiveGateway, entry:
     finally:
         gateway.catalog.write_text(original)
         gateway.admin().post("/admin/adapters/reload")
+
+
+async def test_sighup_reloads_even_without_a_file_change(gateway: LiveGateway) -> None:
+    import signal
+
+    before = admin(gateway)["reloads"]
+    gateway.process.send_signal(signal.SIGHUP)
+    await wait_for(lambda: admin(gateway)["reloads"] == before + 1, SWAP_DEADLINE_S)  # type: ignore[operator]
+    assert gateway.process.poll() is None  # SIGHUP reloads; it does not stop the gateway
