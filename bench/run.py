@@ -49,44 +49,30 @@ from servers import (
 # print its path (its folder name carries the preparation recipe's version).
 EMBEDDED = "embedded"
 
+_CPU: dict[str, Any] = dict(
+    model=EMBEDDED,
+    served_name="gemma-3-270m",
+    dtype="float32",
+    load_format=None,
+    max_model_len=1024,
+    max_num_seqs=16,
+    max_num_batched_tokens=2048,
+    max_loras=4,
+    max_lora_rank=8,
+    adapter_rank=8,
+    adapter_dtype="float32",
+    prompt_tokens=128,
+    output_tokens=32,
+    concurrencies=[1, 4, 16],
+    requests={1: 8, 4: 16, 16: 48},
+    start_timeout_s=900,
+)
+
 PROFILES: dict[str, dict[str, Any]] = {
     # The embedded Gemma 3 270M on CPU (float32, as the gateway runs it there).
-    "cpu": dict(
-        model=EMBEDDED,
-        served_name="gemma-3-270m",
-        dtype="float32",
-        load_format=None,
-        max_model_len=1024,
-        max_num_seqs=16,
-        max_num_batched_tokens=2048,
-        max_loras=4,
-        max_lora_rank=8,
-        adapter_rank=8,
-        adapter_dtype="float32",
-        prompt_tokens=128,
-        output_tokens=32,
-        concurrencies=[1, 4, 16],
-        requests={1: 8, 4: 16, 16: 48},
-        start_timeout_s=900,
-    ),
-    "smoke": dict(
-        model=EMBEDDED,
-        served_name="gemma-3-270m",
-        dtype="float32",
-        load_format=None,
-        max_model_len=1024,
-        max_num_seqs=16,
-        max_num_batched_tokens=2048,
-        max_loras=4,
-        max_lora_rank=8,
-        adapter_rank=8,
-        adapter_dtype="float32",
-        prompt_tokens=64,
-        output_tokens=16,
-        concurrencies=[1, 4],
-        requests={1: 3, 4: 8},
-        start_timeout_s=900,
-    ),
+    "cpu": _CPU,
+    # The same engine, tiny points: checks that the harness works, measures nothing.
+    "smoke": {**_CPU, "prompt_tokens": 64, "output_tokens": 16, "concurrencies": [1, 4], "requests": {1: 3, 4: 8}},
     # Issue 6 on one H200: Gemma 3 1B-shaped config, dummy weights, the anchor's settings.
     "gpu": dict(
         model=None,
