@@ -59,37 +59,27 @@ class EngineSpec:
         return kw
 
 
-def vllm_command(spec: EngineSpec, port: int) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model",
-        spec.model,
-        "--served-model-name",
-        spec.served_name,
-        "--dtype",
-        spec.dtype,
-        "--max-model-len",
-        str(spec.max_model_len),
-        "--max-num-seqs",
-        str(spec.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(spec.max_num_batched_tokens),
-        "--enable-lora",
-        "--max-loras",
-        str(spec.max_loras),
-        "--max-lora-rank",
-        str(spec.max_lora_rank),
-        "--seed",
-        "0",
-    ]
+def _shared_flags(spec: EngineSpec, port: int) -> list[str]:
+    """Engine flags both CLIs spell the same way: one list, so both servers get the same settings."""
+    flags = [
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--model", spec.model,
+        "--served-model-name", spec.served_name,
+        "--dtype", spec.dtype,
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--max-loras", str(spec.max_loras),
+        "--max-lora-rank", str(spec.max_lora_rank),
+    ]  # fmt: skip
     if spec.load_format:
-        cmd += ["--load-format", spec.load_format]
+        flags += ["--load-format", spec.load_format]
+    return flags
+
+
+def vllm_command(spec: EngineSpec, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *_shared_flags(spec, port)]
+    cmd += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--enable-lora", "--seed", "0"]
     if spec.adapters:
         cmd += ["--lora-modules", *[f"{n}={p}" for n, p in spec.adapters.items()]]
     return cmd
@@ -108,41 +98,14 @@ def write_catalog(spec: EngineSpec, adapters_root: Path, path: Path) -> Path:
 
 
 def gateway_command(spec: EngineSpec, port: int, catalog: Path, adapters_root: Path) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model",
-        spec.model,
-        "--served-model-name",
-        spec.served_name,
-        "--dtype",
-        spec.dtype,
-        "--max-model-len",
-        str(spec.max_model_len),
-        "--max-num-seqs",
-        str(spec.max_num_seqs),
-        "--max-loras",
-        str(spec.max_loras),
-        "--max-lora-rank",
-        str(spec.max_lora_rank),
-        "--catalog",
-        str(catalog),
-        "--adapters-root",
-        str(adapters_root),
-        "--set",
-        f"engine.max_num_batched_tokens={spec.max_num_batched_tokens}",
-        "--set",
-        "engine.enable_lora=true",
-    ]
-    if spec.load_format:
-        cmd += ["--load-format", spec.load_format]
-    return cmd
+    # The gateway's engine seed defaults to 0, as vLLM's server is given above.
+    return [
+        sys.executable, "-m", "gateway", "serve", *_shared_flags(spec, port),
+        "--catalog", str(catalog),
+        "--adapters-root", str(adapters_root),
+        "--set", f"engine.max_num_batched_tokens={spec.max_num_batched_tokens}",
+        "--set", "engine.enable_lora=true",
+    ]  # fmt: skip
 
 
 def gateway_env(base: dict[str, str], api_key: str, max_inflight: int) -> dict[str, str]:
