@@ -20,14 +20,15 @@ LONG = {"messages": [{"role": "user", "content": "Write a long story."}], "max_t
 
 
 def unfinished(gw: LiveGateway) -> int:
-    return int(gw.admin().get("/admin/status").json()["engine_unfinished_requests"])
+    with gw.admin() as admin:
+        return int(admin.get("/admin/status").json()["engine_unfinished_requests"])
 
 
-def wait_until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_until(check, timeout: float, what: str, detail=lambda: "") -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
+            raise AssertionError(f"{what}: not within {timeout} s. {detail()}")
         time.sleep(0.05)
 
 
@@ -132,18 +133,25 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
 def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> None:
     family = [small.process.pid] + [c.pid for c in psutil.Process(small.process.pid).children(recursive=True)]
     results: list[str] = []
+    seen: list[int] = []
 
     def stream() -> None:
-        body = {"model": "shout", "messages": [{"role": "user", "content": "Story?"}], "max_tokens": 60, "ignore_eos": True, "stream": True}
+        body = {"model": "shout", "messages": [{"role": "user", "content": "Story?"}], "max_tokens": 100, "ignore_eos": True, "stream": True}
         with small.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
-            results.append(r.read().decode())
+            results.append(f"{r.status_code} " + r.read().decode())
+
+    def three_in_flight(admin: httpx.Client) -> bool:
+        seen.append(admin.get("/admin/status").json()["inflight"])
+        return seen[-1] == 3
 
     import threading
 
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for t in threads:
         t.start()
-    wait_until(lambda: small.admin().get("/admin/status").json()["inflight"] == 3, 30, "three requests in flight")
+    with small.admin() as admin:
+        detail = lambda: f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"  # noqa: E731
+        wait_until(lambda: three_in_flight(admin), 30, "three requests in flight", detail)
     small.process.send_signal(signal.SIGTERM)
     wait_until(lambda: httpx.get(small.url + "/ready").status_code == 503, 1, "/ready turns 503 at once")
     refused = small.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
@@ -152,7 +160,7 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
         t.join(120)
     assert len(results) == 3
     for raw in results:  # every in-flight stream finished normally
-        assert raw.endswith("data: [DONE]\n\n") and '"error"' not in raw
+        assert raw.startswith("200 ") and raw.endswith("data: [DONE]\n\n") and '"error"' not in raw
         assert sum(1 for line in raw.splitlines() if '"content"' in line) >= 2
     small.process.wait(60)
     time.sleep(1)
