@@ -24,6 +24,11 @@ def unfinished(gw: LiveGateway) -> int:
         return int(admin.get("/admin/status").json()["engine_unfinished_requests"])
 
 
+def inflight(gw: LiveGateway) -> int:
+    with gw.admin() as admin:
+        return int(admin.get("/admin/status").json()["inflight"])
+
+
 def wait_until(check, timeout: float, what: str, detail=lambda: "") -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not check():
@@ -80,6 +85,8 @@ def test_per_key_concurrency_limit_is_429_with_retry_after(gateway: LiveGateway)
             assert second.status_code == 429
             assert second.headers["retry-after"] == "1"
             assert second.json()["error"]["code"] == "rate_limit_exceeded"
+        # The stream is closed; the key's slot frees once the gateway has seen the disconnect.
+        wait_until(lambda: inflight(gateway) == 0, 5, "the key's slot released after the disconnect")
         ok = http.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         assert ok.status_code == 200
 
