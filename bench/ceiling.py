@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client import Job, PromptMaker, RequestResult, seed_for, summarize
-from servers import RssSampler
+from servers import ProcessSampler
 
 
 async def _one(engine: Any, params: Any, job: Job, rid: str, lora: Any) -> RequestResult:
@@ -90,7 +90,7 @@ async def main_async(spec: dict[str, Any], out_path: Path) -> None:
     warm = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, output_kind=RequestOutputKind.DELTA)
     result: dict[str, Any] = {"startup_s": startup, "points": []}
     mixes: dict[str, list[str]] = spec["mixes"]
-    sampler = RssSampler(os.getpid())
+    sampler = ProcessSampler(os.getpid())
     result["rss_idle"] = {"rss_tree_mb": (sampler.sample() or (None,))[0]}
     deadline = spec.get("deadline") or float("inf")
     for mix, names in mixes.items():
@@ -110,7 +110,7 @@ async def main_async(spec: dict[str, Any], out_path: Path) -> None:
             n = spec["requests"][str(c)]
             seed = seed_for(spec["run_id"], "ceiling", mix, c)
             jobs = [Job(names[i % len(names)], prompt_ids=maker.token_ids(seed + i)) for i in range(n)]
-            with RssSampler(os.getpid()) as rss:
+            with ProcessSampler(os.getpid()) as rss:
                 res, duration = await _drive(engine, params, jobs, loras, c, f"{mix}-c{c}")
             point = {
                 "target": "ceiling",

@@ -37,6 +37,7 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
                     tpot_p50_delta_ms=_sub(g["tpot_ms_p50"], v["tpot_ms_p50"]),
                     rss_tree_delta_mb=_sub(g.get("rss_tree_mb_max"), v.get("rss_tree_mb_max")),
                     rss_front_delta_mb=_sub(g.get("rss_front_mb_max"), v.get("rss_front_mb_max")),
+                    front_cpu_us_delta=_sub(front_cpu_us_per_token(g), front_cpu_us_per_token(v)),
                 )
             if e and e["out_tok_per_s"]:
                 if v:
@@ -45,6 +46,13 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
                     row["gateway_of_ceiling"] = g["out_tok_per_s"] / e["out_tok_per_s"]
             rows.append(row)
     return rows
+
+
+def front_cpu_us_per_token(p: dict[str, Any]) -> float | None:
+    """CPU time of the front process (HTTP, API layer, detokenizing) per output token."""
+    tokens = p["out_tok_per_s"] * p["duration_s"]
+    cpu = p.get("front_cpu_s")
+    return None if cpu is None or not tokens else cpu / tokens * 1e6
 
 
 def _sub(a: float | None, b: float | None) -> float | None:
@@ -116,8 +124,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; mixes: base = base model only, lora4 = a0..a3 round-robin",
         f"- client: {m['client']}",
         "",
-        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | fail |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | front CPU µs/tok | fail |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mix in m["mixes"]:
         for c in m["concurrencies"]:
@@ -128,21 +136,22 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {t} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
                     f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
-                    f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | {p['failed']} |"
+                    f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
+                    f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']} |"
                 )
     lines += [
         "",
         "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM):",
         "",
-        "| mix | conc | tok/s ratio | TTFT p50 Δ ms | ITL p50 Δ ms | TPOT p50 Δ ms | RSS tree Δ MB | RSS front Δ MB | vLLM/ceiling | gateway/ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mix | conc | tok/s ratio | TTFT p50 Δ ms | ITL p50 Δ ms | TPOT p50 Δ ms | RSS tree Δ MB | RSS front Δ MB | front CPU Δ µs/tok | vLLM/ceiling | gateway/ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['mix']} | {r['concurrency']} | {_f(r.get('tok_ratio'), '{:.3f}')} | {_f(r.get('ttft_p50_delta_ms'), '{:+.2f}')} | "
             f"{_f(r.get('itl_p50_delta_ms'), '{:+.3f}')} | {_f(r.get('tpot_p50_delta_ms'), '{:+.3f}')} | "
             f"{_f(r.get('rss_tree_delta_mb'), '{:+.0f}')} | {_f(r.get('rss_front_delta_mb'), '{:+.0f}')} | "
-            f"{_f(r.get('vllm_of_ceiling'), '{:.3f}')} | {_f(r.get('gateway_of_ceiling'), '{:.3f}')} |"
+            f"{_f(r.get('front_cpu_us_delta'), '{:+.0f}')} | {_f(r.get('vllm_of_ceiling'), '{:.3f}')} | {_f(r.get('gateway_of_ceiling'), '{:.3f}')} |"
         )
     servers = result.get("servers", {})
     if servers:

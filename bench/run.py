@@ -36,7 +36,7 @@ from report import write_reports
 from servers import (
     REPO,
     EngineSpec,
-    RssSampler,
+    ProcessSampler,
     Server,
     gateway_command,
     gateway_env,
@@ -283,7 +283,7 @@ class Bench:
             pid = server.proc.pid
             for mix in self.mixes:
                 self.warm_up(server, target, mix)
-            s = RssSampler(pid).sample()
+            s = ProcessSampler(pid).sample()
             info["rss_idle"] = {"rss_tree_mb": s[0], "rss_front_mb": s[1]} if s else None
             for mix in self.mixes:
                 for c in self.p["concurrencies"]:
@@ -316,7 +316,7 @@ class Bench:
         names = self.model_names[mix]
         seed = seed_for(self.run_id, target, mix, c)
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
-        with RssSampler(pid) as rss:
+        with ProcessSampler(pid) as rss:
             res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
         point = {
             "target": target,

@@ -188,13 +188,16 @@ def tail(path: Path, n: int = 40) -> str:
         return ""
 
 
-class RssSampler:
-    """Resident memory of a process tree, sampled in a thread (psutil), in MB."""
+class ProcessSampler:
+    """Resident memory of a process tree, sampled in a thread (psutil), in MB; and the CPU
+    time the front process (HTTP, API layer, detokenizing; not the engine core, which is
+    a child) spent between enter and exit."""
 
     def __init__(self, pid: int, interval_s: float = 0.5) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.tree: list[float] = []
         self.front: list[float] = []
+        self.front_cpu_s: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -218,6 +221,15 @@ class RssSampler:
             front = 0
         return total / 2**20, front / 2**20
 
+    def _cpu(self) -> float | None:
+        import psutil
+
+        try:
+            t = psutil.Process(self.pid).cpu_times()
+        except psutil.Error:
+            return None
+        return float(t.user + t.system)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             s = self.sample()
@@ -226,13 +238,17 @@ class RssSampler:
                 self.front.append(s[1])
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> ProcessSampler:
+        self._cpu0 = self._cpu()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        cpu1 = self._cpu()
+        if self._cpu0 is not None and cpu1 is not None:
+            self.front_cpu_s = cpu1 - self._cpu0
 
     def stats(self) -> dict[str, float | None]:
         def agg(xs: list[float], f: Any) -> float | None:
@@ -242,4 +258,5 @@ class RssSampler:
             "rss_tree_mb_max": agg(self.tree, max),
             "rss_tree_mb_mean": agg(self.tree, lambda v: sum(v) / len(v)),
             "rss_front_mb_max": agg(self.front, max),
+            "front_cpu_s": self.front_cpu_s,
         }
