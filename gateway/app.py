@@ -8,6 +8,7 @@ and ``/ready`` turns 200 when the engine is up. Requests that arrive before then
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -103,6 +104,7 @@ class Gateway:
             for route in self.catalog.table.routes.values():
                 if route.lora is not None:
                     await self.engine.add_lora(route.lora)  # load now: fail at registration, not first use
+            freeze_startup_heap()
         except (ConfigError, GatewayError) as exc:
             self.startup_error = str(exc)
             log.error("startup failed: %s", exc)
@@ -198,6 +200,19 @@ async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
 
 
+def freeze_startup_heap() -> None:
+    """Move everything alive after start-up (torch, transformers, the engine client: 650k
+    objects on the embedded model) out of the collector's sight. Otherwise every full
+    collection walks all of them while streams wait on the event loop (480 ms each on 2 CPU
+    cores, measured). vLLM's own server does the same."""
+    t0 = time.perf_counter()
+    gc.collect()
+    took = time.perf_counter() - t0
+    gc.freeze()
+    log.info("froze %d start-up objects out of the garbage collector (a full collection took %.0f ms)",
+             gc.get_freeze_count(), took * 1000)
+
+
 class SSEResponse(StreamingResponse):
     """A stream that always watches for the client leaving, whatever the ASGI version,
     so an abandoned request stops in the engine at once rather than at its next token."""
@@ -274,12 +289,12 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             lease.release()
             raise
 
-    def track(request: Request, gen: Generation, stream: bool, prompt: Any) -> RequestRecord | None:
+    def track(request: Request, gen: Generation, stream: bool, prompt: Callable[[], Any]) -> RequestRecord | None:
         record: RequestRecord | None = request.scope.get("state", {}).get("record")
         if record is not None:
             record.attach(gen, stream)
             if settings.server.log_prompts:
-                record.prompt = prompt
+                record.prompt = prompt()
         gen.on_gap = gw.metrics.itl.labels(gw.metrics.route_label(gen.route.name)).observe
         return record
 
@@ -290,7 +305,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         encoder: type[StreamEncoder] | Any,
         include_usage: bool,
         whole: Callable[[Generation, Any], dict[str, Any]],
-        prompt: Any,
+        prompt: Callable[[], Any],
     ) -> Response:
         headers = route_headers(gen)
         record = track(request, gen, stream, prompt)
@@ -312,7 +327,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
             gen.close()
             raise InvalidRequest("the house stream format carries one choice; use n=1", param="n")
         encoder = HouseEncoder if house else OpenAIChatEncoder
-        prompt = [m.model_dump(exclude_none=True) for m in body.messages]
+        prompt = lambda: [m.model_dump(exclude_none=True) for m in body.messages]  # noqa: E731
         return await respond(request, gen, body.stream or house, encoder, body.include_usage, chat_response, prompt)
 
     async def completions(request: Request) -> Response:
@@ -320,14 +335,14 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
         lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.complete(body, l))
         return await respond(
-            request, gen, body.stream, OpenAICompletionEncoder, body.include_usage, completion_response, body.prompt
+            request, gen, body.stream, OpenAICompletionEncoder, body.include_usage, completion_response, lambda: body.prompt
         )
 
     async def house_chat(request: Request) -> Response:
         body = await read_json(request, HouseChatRequest, limits.max_body_bytes)
         lease = gw.lease(request, body.model, body.task)
         gen = await start_generation(lease, lambda l: gw.service.house(body, l))
-        record = track(request, gen, True, body.question)
+        record = track(request, gen, True, lambda: body.question)
         return SSEResponse(encode_stream(gen, HouseEncoder(gen)), route_headers(gen), record)
 
     def visible_cards(request: Request) -> list[dict[str, Any]]:
@@ -388,6 +403,7 @@ def create_app(settings: GatewaySettings, engine: EngineManager | None = None) -
                 "draining": gw.admission.draining,
                 "engine_ready": gw.engine.ready,
                 "engine_unfinished_requests": gw.engine.unfinished_requests(),
+                "gc_frozen_objects": gc.get_freeze_count(),
             }
         )
 

@@ -110,7 +110,11 @@ SMALL_BOUND = 4
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    gw = start_gateway(tmp_path_factory.mktemp("small"), "--set", f"limits.max_inflight={SMALL_BOUND}", "--set", "limits.drain_timeout_s=60")
+    # Also the one gateway of the suite that logs prompts (server.log_prompts; off by default).
+    gw = start_gateway(
+        tmp_path_factory.mktemp("small"),
+        *("--set", f"limits.max_inflight={SMALL_BOUND}", "--set", "limits.drain_timeout_s=60", "--set", "server.log_prompts=true"),
+    )
     yield gw
     stop_gateway(gw)
 
@@ -135,6 +139,20 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
     # Refusals did not wait in a queue: every 429 came back before the first admitted answer.
     assert max(t for _, t, _ in refused[: 5 * SMALL_BOUND]) < min(t for _, t, _ in ok)
     still_serves(small)
+
+
+def test_prompts_are_logged_only_when_enabled(small: LiveGateway) -> None:
+    secret = f"SECRET-{time.time_ns()}"
+    chat = {"model": "base", "messages": [{"role": "user", "content": f"Remember {secret}"}], "max_tokens": 2}
+    assert small.client().post("/v1/chat/completions", json=chat).status_code == 200
+    house = {"question": f"House {secret}", "max_tokens": 2}
+    assert small.client().post("/chat", json=house).status_code == 200
+    deadline = time.monotonic() + 5
+    while len(lines := [json.loads(x) for x in small.log.read_text(errors="replace").splitlines() if secret in x]) < 2:
+        assert time.monotonic() < deadline, f"prompts not in the access log: {lines}"
+        time.sleep(0.1)
+    assert lines[0]["prompt"] == [{"role": "user", "content": f"Remember {secret}"}]
+    assert lines[1]["prompt"] == f"House {secret}"
 
 
 def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> None:
