@@ -94,10 +94,11 @@ class EngineBackend(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
-    def validate(self, sampling: SamplingSpec) -> None: ...
+    def prepare(self, sampling: SamplingSpec) -> Any:
+        """The engine's own form of ``sampling``, for ``generate``; InvalidRequest if refused."""
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
     ) -> AsyncIterator[StepOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -227,18 +228,19 @@ class EngineManager:
         return self._engine
 
     # -- generation -------------------------------------------------------------------
-    def validate(self, sampling: SamplingSpec) -> None:
-        """Raise InvalidRequest now for what vLLM would refuse, before a stream starts."""
+    def prepare(self, sampling: SamplingSpec) -> Any:
+        """vLLM's SamplingParams, built (and so checked) before a stream starts: what vLLM
+        would refuse is an InvalidRequest now, not an error event after the 200."""
         try:
-            _sampling_params(sampling)
+            return _sampling_params(sampling)
         except Exception as exc:
             raise _translate(exc) from None
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
     ) -> AsyncIterator[StepOutput]:
+        """Stream one request; ``params`` comes from ``prepare``."""
         engine = self._require()
-        params = _sampling_params(sampling)
         lora_request = _lora_request(lora) if lora is not None else None
         stream = engine.generate(
             {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request

@@ -56,6 +56,7 @@ class Generation:
         lease: Lease,
         prompt_ids: list[int],
         sampling: SamplingSpec,
+        params: Any,
         id_prefix: str,
     ) -> None:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -69,6 +70,7 @@ class Generation:
         self._engine = engine
         self._lease = lease
         self._prompt_ids = prompt_ids
+        self._params = params  # the engine's form of ``sampling``
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -78,7 +80,7 @@ class Generation:
         finished = False
         last = 0.0
         try:
-            async for step in self._engine.generate(self._prompt_ids, self.sampling, self.id, self.lora):
+            async for step in self._engine.generate(self._prompt_ids, self._params, self.id, self.lora):
                 now = time.monotonic()
                 if self.first_token_at is None:
                     self.first_token_at = now
@@ -224,8 +226,8 @@ class ChatService:
         )
         if sampling.n > 1 and sampling.temperature == 0:
             raise InvalidRequest("n > 1 needs a temperature above 0 (greedy choices are identical)", param="n")
-        self._engine.validate(sampling)
-        return Generation(self._engine, lease, prompt_ids, sampling, id_prefix)
+        params = self._engine.prepare(sampling)
+        return Generation(self._engine, lease, prompt_ids, sampling, params, id_prefix)
 
 
 def _pick(*values: float | None) -> float:

@@ -45,6 +45,7 @@ class FakeEngine:
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
     ) -> AsyncIterator[StepOutput]:
+        """``sampling`` is what ``prepare`` returned: the spec itself."""
         self.calls.append((prompt_ids, sampling, request_id, lora))
         words = self.words[: sampling.max_tokens]
         for i, word in enumerate(words):
@@ -55,8 +56,8 @@ class FakeEngine:
             chunks = [Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)]
             yield StepOutput(chunks=chunks, prompt_tokens=len(prompt_ids), finished=last)
 
-    def validate(self, sampling: SamplingSpec) -> None:
-        self.validated = sampling
+    def prepare(self, sampling: SamplingSpec) -> SamplingSpec:
+        return sampling  # the fake generates straight from the spec
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

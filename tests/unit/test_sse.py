@@ -22,7 +22,8 @@ def make_gen(engine: FakeEngine | None = None, n: int = 1, route: str = "shout")
     base = Route(name="base-model", kind="base")
     table = RoutingTable(base=base, routes={route: Route(name=route, kind="preset")}, errors={})
     catalog = Catalog(lambda ids: table)
-    return Generation(engine or FakeEngine(), catalog.acquire(route), [1, 2, 3], SamplingSpec(max_tokens=10, n=n), "chatcmpl")
+    spec = SamplingSpec(max_tokens=10, n=n)
+    return Generation(engine or FakeEngine(), catalog.acquire(route), [1, 2, 3], spec, spec, "chatcmpl")
 
 
 def events(raw: bytes) -> list[str]:
