@@ -18,7 +18,26 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
 
 
 def index(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    return {(p["target"], p["mix"], p["concurrency"]): p for p in points}
+    """One point per (target, mix, concurrency). A target run in several passes (``--targets
+    vllm,gateway,gateway,vllm``) gets the mean of its passes, so the server order evens out."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["target"], p["mix"], p["concurrency"]), []).append(p)
+    return {key: ps[0] if len(ps) == 1 else mean_point(ps) for key, ps in groups.items()}
+
+
+def mean_point(ps: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = dict(ps[0])
+    for key, value in ps[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("concurrency", "pass", "seed"):
+            values = [p.get(key) for p in ps]
+            merged[key] = None if None in values else sum(values) / len(values)  # type: ignore[arg-type]
+    merged["pass"] = "mean"
+    return merged
+
+
+def by_pass(points: list[dict[str, Any]], key: tuple[str, str, int]) -> list[dict[str, Any]]:
+    return [p for p in points if (p["target"], p["mix"], p["concurrency"]) == key]
 
 
 def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -130,15 +149,15 @@ def markdown(result: dict[str, Any]) -> str:
     for mix in m["mixes"]:
         for c in m["concurrencies"]:
             for t in TARGETS:
-                p = pts.get((t, mix, c))
-                if not p:
-                    continue
-                lines.append(
-                    f"| {t} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
-                    f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
-                    f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
-                    f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']} |"
-                )
+                passes = by_pass(result["points"], (t, mix, c))
+                for p in passes + ([pts[(t, mix, c)]] if len(passes) > 1 else []):
+                    name = t if len(passes) == 1 else f"{t} ({p.get('pass', '?')})"
+                    lines.append(
+                        f"| {name} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
+                        f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
+                        f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
+                        f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} |"
+                    )
     lines += [
         "",
         "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM):",

@@ -259,7 +259,9 @@ class Bench:
         return bool(self.args.budget_s) and time.time() - self.t0 > self.args.budget_s
 
     # -- one HTTP server --------------------------------------------------------------
-    def run_server(self, target: str) -> None:
+    def run_server(self, target: str, n: int = 1) -> None:
+        """Pass ``n`` of ``target`` (``--targets`` may name a server twice, for both orders)."""
+        label = target if n == 1 else f"{target}-{n}"
         port = self.args.port + (0 if target == "vllm" else 1)
         if target == "vllm":
             cmd, ready = vllm_command(self.spec, port), "/health"
@@ -271,10 +273,10 @@ class Bench:
             if target == "vllm"
             else gateway_env(self.env, self.api_key, 16 * max(self.p["concurrencies"]) + 64)
         )
-        server = Server(target, cmd, port, ready, env, self.out / "logs" / f"{target}.log")
+        server = Server(target, cmd, port, ready, env, self.out / "logs" / f"{label}.log")
         log(f"starting {target}: {' '.join(cmd)}")
         info: dict[str, Any] = {"cmd": cmd}
-        self.result["servers"][target] = info
+        self.result["servers"][label] = info
         try:
             server.start(self.p["start_timeout_s"])
             info["startup_s"] = server.startup_s
@@ -282,7 +284,7 @@ class Bench:
             assert server.proc is not None
             pid = server.proc.pid
             for mix in self.mixes:
-                self.warm_up(server, target, mix)
+                self.warm_up(server, label, mix)
             s = ProcessSampler(pid).sample()
             info["rss_idle"] = {"rss_tree_mb": s[0], "rss_front_mb": s[1]} if s else None
             for mix in self.mixes:
@@ -290,8 +292,8 @@ class Bench:
                     if self.past_budget():
                         self.note(f"{target} {mix} c={c} skipped: past --budget-s")
                         continue
-                    self.point(server, pid, target, mix, c)
-            if self.args.pyspy and not self.past_budget():
+                    self.point(server, pid, target, mix, c, n)
+            if self.args.pyspy and n == 1 and not self.past_budget():
                 self.profile_front(server, pid, target)
         except Exception as exc:  # keep what was measured; say what failed
             self.note(f"{target} failed: {type(exc).__name__}: {str(exc)[:2000]}")
@@ -311,15 +313,16 @@ class Bench:
         if failed:
             raise RuntimeError(f"warm-up failed: {failed[0]}")
 
-    def point(self, server: Server, pid: int, target: str, mix: str, c: int) -> None:
+    def point(self, server: Server, pid: int, target: str, mix: str, c: int, n_pass: int = 1) -> None:
         n = self.p["requests"][c]
         names = self.model_names[mix]
-        seed = seed_for(self.run_id, target, mix, c)
+        seed = seed_for(self.run_id, target if n_pass == 1 else f"{target}-{n_pass}", mix, c)
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
         with ProcessSampler(pid) as rss:
             res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
         point = {
             "target": target,
+            "pass": n_pass,
             "mix": mix,
             "concurrency": c,
             "requests": n,
@@ -426,9 +429,11 @@ class Bench:
 
     def run(self) -> int:
         self.setup()
+        passes: dict[str, int] = {}
         for target in self.args.targets.split(","):
+            passes[target] = passes.get(target, 0) + 1
             if target in ("vllm", "gateway"):
-                self.run_server(target)
+                self.run_server(target, passes[target])
             elif target == "ceiling":
                 try:
                     self.run_ceiling()
@@ -450,7 +455,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     ap.add_argument("--model", help="model directory (default: the profile's)")
-    ap.add_argument("--targets", default="vllm,gateway,ceiling", help="which to run, in order")
+    ap.add_argument(
+        "--targets",
+        default="vllm,gateway,ceiling",
+        help="which to run, in order; a server named twice runs twice and its points are averaged "
+        "(vllm,gateway,gateway,vllm evens out the order effect)",
+    )
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--concurrencies", help="e.g. 1,4,16 (default: the profile's)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the requests per point")
