@@ -19,14 +19,17 @@ from tests.integration.conftest import SINGLE_KEY, LiveGateway, start_gateway, s
 LONG = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
 
-def unfinished(gw: LiveGateway) -> int:
+def admin_status(gw: LiveGateway, field: str) -> int:
     with gw.admin() as admin:
-        return int(admin.get("/admin/status").json()["engine_unfinished_requests"])
+        return int(admin.get("/admin/status").json()[field])
+
+
+def unfinished(gw: LiveGateway) -> int:
+    return admin_status(gw, "engine_unfinished_requests")
 
 
 def inflight(gw: LiveGateway) -> int:
-    with gw.admin() as admin:
-        return int(admin.get("/admin/status").json()["inflight"])
+    return admin_status(gw, "inflight")
 
 
 def wait_until(check, timeout: float, what: str, detail=lambda: "") -> None:  # type: ignore[no-untyped-def]
@@ -141,7 +144,7 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
     still_serves(small)
 
 
-def test_prompts_are_logged_only_when_enabled(small: LiveGateway) -> None:
+def test_prompts_are_logged_when_enabled(small: LiveGateway) -> None:
     secret = f"SECRET-{time.time_ns()}"
     chat = {"model": "base", "messages": [{"role": "user", "content": f"Remember {secret}"}], "max_tokens": 2}
     assert small.client().post("/v1/chat/completions", json=chat).status_code == 200
@@ -168,8 +171,8 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
         except Exception as exc:  # noqa: BLE001 -- reported by the asserts below, not lost in the thread
             results.append(f"client error {exc!r}")
 
-    def three_in_flight(admin: httpx.Client) -> bool:
-        seen.append(admin.get("/admin/status").json()["inflight"])
+    def three_in_flight() -> bool:
+        seen.append(inflight(small))
         return seen[-1] == 3
 
     import threading
@@ -177,9 +180,8 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for t in threads:
         t.start()
-    with small.admin() as admin:
-        detail = lambda: f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"  # noqa: E731
-        wait_until(lambda: three_in_flight(admin), 30, "three requests in flight", detail)
+    detail = lambda: f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"  # noqa: E731
+    wait_until(three_in_flight, 30, "three requests in flight", detail)
     small.process.send_signal(signal.SIGTERM)
     wait_until(lambda: httpx.get(small.url + "/ready").status_code == 503, 1, "/ready turns 503 at once")
     refused = small.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
