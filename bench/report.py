@@ -17,13 +17,18 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def index(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    """One point per (target, mix, concurrency). A target run in several passes (``--targets
-    vllm,gateway,gateway,vllm``) gets the mean of its passes, so the server order evens out."""
+def passes(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    """The points of each (target, mix, concurrency): one per pass of that server."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for p in points:
         groups.setdefault((p["target"], p["mix"], p["concurrency"]), []).append(p)
-    return {key: ps[0] if len(ps) == 1 else mean_point(ps) for key, ps in groups.items()}
+    return groups
+
+
+def index(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """One point per (target, mix, concurrency). A target run in several passes (``--targets
+    vllm,gateway,gateway,vllm``) gets the mean of its passes, so the server order evens out."""
+    return {key: ps[0] if len(ps) == 1 else mean_point(ps) for key, ps in passes(points).items()}
 
 
 def mean_point(ps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -34,10 +39,6 @@ def mean_point(ps: list[dict[str, Any]]) -> dict[str, Any]:
             merged[key] = None if None in values else sum(values) / len(values)  # type: ignore[arg-type]
     merged["pass"] = "mean"
     return merged
-
-
-def by_pass(points: list[dict[str, Any]], key: tuple[str, str, int]) -> list[dict[str, Any]]:
-    return [p for p in points if (p["target"], p["mix"], p["concurrency"]) == key]
 
 
 def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,6 +129,7 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
 def markdown(result: dict[str, Any]) -> str:
     m = result["meta"]
     rows = compare(result)
+    groups = passes(result["points"])
     pts = index(result["points"])
     lines = [
         f"# Gateway vs vLLM's server: {m['date']} on {m['machine']}",
@@ -149,9 +151,9 @@ def markdown(result: dict[str, Any]) -> str:
     for mix in m["mixes"]:
         for c in m["concurrencies"]:
             for t in TARGETS:
-                passes = by_pass(result["points"], (t, mix, c))
-                for p in passes + ([pts[(t, mix, c)]] if len(passes) > 1 else []):
-                    name = t if len(passes) == 1 else f"{t} ({p.get('pass', '?')})"
+                runs = groups.get((t, mix, c), [])
+                for p in runs + ([pts[(t, mix, c)]] if len(runs) > 1 else []):
+                    name = t if len(runs) == 1 else f"{t} ({p.get('pass', '?')})"
                     lines.append(
                         f"| {name} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
                         f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "

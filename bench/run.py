@@ -261,7 +261,7 @@ class Bench:
     # -- one HTTP server --------------------------------------------------------------
     def run_server(self, target: str, n: int = 1) -> None:
         """Pass ``n`` of ``target`` (``--targets`` may name a server twice, for both orders)."""
-        label = target if n == 1 else f"{target}-{n}"
+        label = pass_label(target, n)
         port = self.args.port + (0 if target == "vllm" else 1)
         if target == "vllm":
             cmd, ready = vllm_command(self.spec, port), "/health"
@@ -316,7 +316,7 @@ class Bench:
     def point(self, server: Server, pid: int, target: str, mix: str, c: int, n_pass: int = 1) -> None:
         n = self.p["requests"][c]
         names = self.model_names[mix]
-        seed = seed_for(self.run_id, target if n_pass == 1 else f"{target}-{n_pass}", mix, c)
+        seed = seed_for(self.run_id, pass_label(target, n_pass), mix, c)
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
         with ProcessSampler(pid) as rss:
             res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
@@ -445,6 +445,11 @@ class Bench:
         log(f"wrote {self.out}/results.{{json,md,png}} in {time.time() - self.t0:.0f} s")
         print((self.out / "results.md").read_text())
         return 0
+
+
+def pass_label(target: str, n: int) -> str:
+    """'gateway' for a server's first pass, 'gateway-2' for its second (logs, seeds, server info)."""
+    return target if n == 1 else f"{target}-{n}"
 
 
 def _ms(v: float | None, digits: int = 1) -> str:
