@@ -168,9 +168,13 @@ class Gateway:
                 await asyncio.wait_for(reload_now.wait(), timeout=interval)
             asked = reload_now.is_set()  # SIGHUP reloads even when no file changed
             reload_now.clear()
-            if asked or self.adapter_files_signature() != last:
+            current = self.adapter_files_signature()
+            if asked or current != last:
                 await self.reload_catalog()
-                last = self.adapter_files_signature()
+                # Files the reload read keep the stat seen before it: one changed while the
+                # reload ran (it awaits the engine) differs at the next poll, not never.
+                before = {path: (mtime, size) for path, mtime, size in current}
+                last = tuple((p, *before.get(p, (m, s))) for p, m, s in self.adapter_files_signature())
             if self.catalog is not None:
                 await self.catalog.remove_drained()
 
