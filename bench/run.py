@@ -262,6 +262,9 @@ class Bench:
     def run_server(self, target: str, n: int = 1) -> None:
         """Pass ``n`` of ``target`` (``--targets`` may name a server twice, for both orders)."""
         label = pass_label(target, n)
+        if self.past_budget():
+            self.note(f"{label} not started: past --budget-s")
+            return
         port = self.args.port + (0 if target == "vllm" else 1)
         if target == "vllm":
             cmd, ready = vllm_command(self.spec, port), "/health"
