@@ -381,6 +381,13 @@ class Bench:
         log(f"{target} py-spy pass: {ok}/{n} ok in {duration:.1f} s -> {out}")
 
     # -- the engine with no HTTP --------------------------------------------------------
+    def ceiling_concurrencies(self) -> list[int]:
+        """``--ceiling-concurrencies`` (a subset of the servers' points), else all of them."""
+        if not self.args.ceiling_concurrencies:
+            return self.p["concurrencies"]
+        wanted = {int(c) for c in self.args.ceiling_concurrencies.split(",")}
+        return [c for c in self.p["concurrencies"] if c in wanted]
+
     def run_ceiling(self) -> None:
         spec = {
             "engine": self.spec.engine_kwargs(),
@@ -388,7 +395,7 @@ class Bench:
             "adapters": self.spec.adapters,
             "prompt_tokens": self.p["prompt_tokens"],
             "output_tokens": self.p["output_tokens"],
-            "concurrencies": self.p["concurrencies"],
+            "concurrencies": self.ceiling_concurrencies(),
             "requests": {str(c): n for c, n in self.p["requests"].items()},
             "mixes": {m: self.model_names[m] for m in self.mixes},
             "run_id": self.run_id,
@@ -480,6 +487,9 @@ def main() -> int:
     ap.add_argument("--run-id", help="seeds the prompts (default: the start time)")
     ap.add_argument(
         "--budget-s", type=float, default=0, help="skip points that would start after this many seconds"
+    )
+    ap.add_argument(
+        "--ceiling-concurrencies", help="run the no-HTTP ceiling at these points only (e.g. 256; default: all)"
     )
     ap.add_argument("--ceiling-timeout-s", type=float, default=1800)
     ap.add_argument(
