@@ -234,7 +234,11 @@ class SSEResponse(StreamingResponse):
         gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
             done, _ = await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if gone in done and self.record is not None:
+            # uvicorn answers http.disconnect as soon as a response is complete, so both
+            # can be done at once: only a stream cut short (or failing to send) means that
+            # the client left.
+            left = stream not in done or (gone in done and stream.exception() is not None)
+            if left and self.record is not None:
                 self.record.disconnected = True
         finally:
             for task in (stream, gone):

@@ -69,18 +69,23 @@ def access_lines(gw: LiveGateway) -> list[dict[str, object]]:
     return [json.loads(line) for line in gw.log.read_text(errors="replace").splitlines() if line.startswith('{"request_id"')]
 
 
+def access_line(gw: LiveGateway, request_id: str) -> dict[str, object]:
+    """The one access-log line of ``request_id`` (it is written as the response ends)."""
+    deadline = time.monotonic() + 5
+    while not (mine := [line for line in access_lines(gw) if line["request_id"] == request_id]):
+        assert time.monotonic() < deadline, "no access-log line for the request"
+        time.sleep(0.1)
+    assert len(mine) == 1
+    return mine[0]
+
+
 def test_one_json_log_line_per_request_without_prompt_text(gateway: LiveGateway) -> None:
     request_id = f"test-{uuid.uuid4().hex}"
     secret = f"SECRET-{uuid.uuid4().hex}"
     body = {"model": "json", "messages": [{"role": "user", "content": f"Remember {secret}"}], "max_tokens": 6}
     r = gateway.client().post("/v1/chat/completions", json=body, headers={"x-request-id": request_id})
     assert r.headers["x-request-id"] == request_id
-    deadline = time.monotonic() + 5
-    while not (mine := [line for line in access_lines(gateway) if line["request_id"] == request_id]):
-        assert time.monotonic() < deadline, "no access-log line for the request"
-        time.sleep(0.1)
-    assert len(mine) == 1
-    line = mine[0]
+    line = access_line(gateway, request_id)
     assert line["route"] == "json" and line["status"] == 200 and line["stream"] is False
     assert line["adapter_digest"] == r.headers["x-adapter-digest"]
     usage = r.json()["usage"]
@@ -96,11 +101,21 @@ def test_a_disconnect_is_logged(gateway: LiveGateway) -> None:
     with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r:
         lines = r.iter_lines()
         next(lines)
-    deadline = time.monotonic() + 5
-    while not (mine := [line for line in access_lines(gateway) if line["request_id"] == request_id]):
-        assert time.monotonic() < deadline, "no access-log line for the request"
-        time.sleep(0.1)
-    assert mine[0]["client_disconnected"] is True and mine[0]["stream"] is True
+    line = access_line(gateway, request_id)
+    assert line["client_disconnected"] is True and line["stream"] is True
+
+
+def test_a_stream_read_to_the_end_is_not_logged_as_a_disconnect(gateway: LiveGateway) -> None:
+    # The server sees the connection's end as soon as its last byte is out (uvicorn reports
+    # http.disconnect once a response is complete); that is not a client leaving early.
+    request_id = f"test-{uuid.uuid4().hex}"
+    body = {"model": "base", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    line = access_line(gateway, request_id)
+    assert line["stream"] is True and line["status"] == 200 and line["completion_tokens"] == 4
+    assert line["client_disconnected"] is False
 
 
 def test_start_up_heap_is_frozen_out_of_the_garbage_collector(gateway: LiveGateway) -> None:
