@@ -160,6 +160,7 @@ def markdown(result: dict[str, Any]) -> str:
                         f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
                         f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} |"
                     )
+    lines += ttft_split(m, pts)
     lines += [
         "",
         "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM):",
@@ -192,6 +193,34 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("notes"):
         lines += ["", *[f"- note: {n}" for n in result["notes"]]]
     return "\n".join(lines) + "\n"
+
+
+def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
+    """Where each server's TTFT goes, from the engine's own histograms (means over the point):
+    before the engine (HTTP, parsing, templating, tokenizing, the client), then the engine
+    (AsyncLLM arrival -> first token, of which scheduler queue and prefill)."""
+    rows = []
+    for mix in meta["mixes"]:
+        for c in meta["concurrencies"]:
+            for t in ("vllm", "gateway"):
+                p = pts.get((t, mix, c))
+                if p and p.get("engine_ttft_ms_mean") is not None:
+                    rows.append(
+                        f"| {t} | {mix} | {c} | {_f(p['ttft_ms_mean'], '{:.2f}')} | "
+                        f"{_f(_sub(p['ttft_ms_mean'], p['engine_ttft_ms_mean']), '{:.2f}')} | "
+                        f"{_f(p['engine_ttft_ms_mean'], '{:.2f}')} | {_f(p.get('engine_queue_ms_mean'), '{:.2f}')} | "
+                        f"{_f(p.get('engine_prefill_ms_mean'), '{:.2f}')} |"
+                    )
+    if not rows:
+        return []
+    return [
+        "",
+        "TTFT split (means, ms; the engine's part from its own `vllm:` histograms on /metrics):",
+        "",
+        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:

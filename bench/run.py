@@ -38,6 +38,8 @@ from servers import (
     EngineSpec,
     ProcessSampler,
     Server,
+    engine_histograms,
+    engine_means_ms,
     gateway_command,
     gateway_env,
     tail,
@@ -321,8 +323,10 @@ class Bench:
         names = self.model_names[mix]
         seed = seed_for(self.run_id, pass_label(target, n_pass), mix, c)
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
+        hist0 = engine_histograms(server.base_url, self.api_key)
         with ProcessSampler(pid) as rss:
             res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
+        engine = engine_means_ms(hist0, engine_histograms(server.base_url, self.api_key))
         point = {
             "target": target,
             "pass": n_pass,
@@ -332,6 +336,7 @@ class Bench:
             "seed": seed,
             **summarize(res, duration, self.p["output_tokens"]),
             **rss.stats(),
+            **engine,
         }
         self.result["points"].append(point)
         self.save()

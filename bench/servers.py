@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,3 +261,45 @@ class ProcessSampler:
             "rss_front_mb_max": agg(self.front, max),
             "front_cpu_s": self.front_cpu_s,
         }
+
+
+# The engine's own per-request latency histograms, which both servers export on /metrics
+# (vLLM's server natively, the gateway from the same registry). Their means over a point
+# split a server's TTFT into what the engine saw and what came before it.
+ENGINE_HISTOGRAMS = {
+    "engine_ttft": "vllm:time_to_first_token_seconds",  # AsyncLLM arrival -> first token
+    "engine_queue": "vllm:request_queue_time_seconds",  # queued in the scheduler
+    "engine_prefill": "vllm:request_prefill_time_seconds",  # scheduled -> first token
+}
+
+
+def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of each of ENGINE_HISTOGRAMS, summed over labels; None if unreadable."""
+    req = urllib.request.Request(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    out = {key: [0.0, 0.0] for key in ENGINE_HISTOGRAMS}
+    wanted = {metric + suffix: (key, slot) for key, metric in ENGINE_HISTOGRAMS.items()
+              for slot, suffix in enumerate(("_sum", "_count"))}
+    for line in text.splitlines():
+        hit = wanted.get(re.split(r"[{ ]", line, maxsplit=1)[0])
+        if hit is not None:
+            out[hit[0]][hit[1]] += float(line.rsplit(" ", 1)[1])
+    return {key: (s, c) for key, (s, c) in out.items()}
+
+
+def engine_means_ms(
+    before: dict[str, tuple[float, float]] | None, after: dict[str, tuple[float, float]] | None
+) -> dict[str, float | None]:
+    """Mean of each engine histogram over the requests between two scrapes, in ms."""
+    means: dict[str, float | None] = {}
+    for key in ENGINE_HISTOGRAMS:
+        if before is None or after is None or after[key][1] <= before[key][1]:
+            means[f"{key}_ms_mean"] = None
+            continue
+        (s0, c0), (s1, c1) = before[key], after[key]
+        means[f"{key}_ms_mean"] = (s1 - s0) / (c1 - c0) * 1000
+    return means
