@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,10 +21,11 @@ from gateway.engine import EngineBackend, LoraSpec, SamplingSpec, StepOutput, To
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
 from gateway.settings import LimitSettings
+from gateway.tokenizing import PromptTokenizer
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
-# it runs in a thread so the event loop keeps streaming other requests' tokens.
+# it runs in the tokenizing thread so the event loop keeps streaming other requests' tokens.
 _THREAD_TOKENIZE_CHARS = 256
 
 # Abort tasks are fire-and-forget (they must outlive a cancelled request); keep references.
@@ -121,17 +121,16 @@ class ChatService:
     def __init__(self, engine: EngineBackend, limits: LimitSettings) -> None:
         self._engine = engine
         self._limits = limits
-        # One thread: a fast tokenizer must not be used by two threads at once ("Already
-        # borrowed"), and a pool of threads each grew its own malloc arena (+876 MB RSS at
-        # 16 streams on CPU, measured with bench/run.py).
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._prompts = PromptTokenizer(lambda: engine.tokenizer)
 
     async def chat(self, request: ChatCompletionRequest, lease: Lease) -> Generation:
         route = lease.route
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
         if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
             messages.insert(0, {"role": "system", "content": route.system_prompt})
-        prompt_ids = await self._run(self._chat_ids, messages, route.chat_template, size=_size(messages))
+        prompt_ids = await self._tokenize(
+            lambda: self._chat_text(messages, route.chat_template), False, size=_size(messages)
+        )
         return self._start(request, lease, prompt_ids, request.token_limit, request.num_logprobs, "chatcmpl")
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
@@ -143,7 +142,7 @@ class ChatService:
                 raise InvalidRequest(f"token ids must be below the vocabulary size {vocab}", param="prompt")
         else:
             text = prompt if isinstance(prompt, str) else str(prompt[0])
-            prompt_ids = await self._run(self._engine.tokenizer.encode, text, size=len(text))
+            prompt_ids = await self._tokenize(lambda: text, True, size=len(text))
         return self._start(request, lease, prompt_ids, request.token_limit, request.num_logprobs, "cmpl")
 
     async def house(self, request: HouseChatRequest, lease: Lease) -> Generation:
@@ -155,23 +154,21 @@ class ChatService:
         return await self.chat(chat, lease)
 
     # -- helpers --------------------------------------------------------------------
-    def _chat_ids(self, messages: list[dict[str, str]], template: str | None) -> list[int]:
-        tokenizer = self._engine.tokenizer
+    def _chat_text(self, messages: list[dict[str, str]], template: str | None) -> str:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if template:
             kwargs["chat_template"] = template
         try:
-            text = tokenizer.apply_chat_template(messages, **kwargs)
+            return str(self._engine.tokenizer.apply_chat_template(messages, **kwargs))
         except Exception as exc:  # jinja raise_exception() in a template, bad roles
             raise InvalidRequest(f"messages could not be formatted: {exc}", param="messages") from None
-        # The template writes <bos> itself; adding special tokens again would double it.
-        return list(tokenizer.encode(text, add_special_tokens=False))
 
-    async def _run(self, fn: Any, *args: Any, size: int) -> list[int]:
+    async def _tokenize(self, render: Callable[[], str], add_special_tokens: bool, size: int) -> list[int]:
+        """Token ids of ``render()``. A chat template writes <bos> itself, so chat prompts pass
+        ``add_special_tokens=False`` (adding them again would double it)."""
         if size > _THREAD_TOKENIZE_CHARS:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._tokenizer_thread, fn, *args)  # type: ignore[no-any-return]
-        return fn(*args)  # type: ignore[no-any-return]
+            return await self._prompts.encode(render, add_special_tokens)
+        return list(self._engine.tokenizer.encode(render(), add_special_tokens=add_special_tokens))
 
     def _start(
         self,

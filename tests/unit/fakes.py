@@ -19,6 +19,9 @@ class FakeTokenizer:
         ids = [ord(c) for c in text]
         return [2, *ids] if add_special_tokens else ids
 
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in texts]}
+
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
         if kwargs.get("chat_template") == "{{ raise }}":
             raise ValueError("template failed")

@@ -1,0 +1,100 @@
+"""PromptTokenizer: prompts queued while the thread works are encoded in one batch call,
+each caller gets its own ids or its own error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from gateway.tokenizing import PromptTokenizer
+from tests.unit.fakes import FakeTokenizer
+
+
+class CountingTokenizer(FakeTokenizer):
+    """Records batch sizes; a text containing "BAD" fails to encode."""
+
+    def __init__(self) -> None:
+        self.batch_sizes: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if "BAD" in text:
+            raise ValueError("cannot encode")
+        return super().encode(text, add_special_tokens)
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        self.batch_sizes.append(len(texts))
+        return super().__call__(texts, add_special_tokens)
+
+
+async def hold_the_thread(tok: PromptTokenizer) -> tuple[asyncio.Future[list[int]], threading.Event]:
+    """A first job ("first") that keeps the thread busy until the returned gate is set."""
+    gate = threading.Event()
+
+    def first() -> str:
+        gate.wait(5)
+        return "first"
+
+    head = asyncio.ensure_future(tok.encode(first, False))
+    await asyncio.sleep(0.05)  # the thread has taken the first job and waits in it
+    return head, gate
+
+
+async def queued_behind_a_gate(tok: PromptTokenizer, texts: list[tuple[str, bool]]) -> list[Any]:
+    """The others queue while the first job holds the thread, so they form one batch."""
+    head, gate = await hold_the_thread(tok)
+
+    def render(text: str) -> Any:
+        def r() -> str:
+            if text == "RAISE":
+                raise LookupError("template failed")
+            return text
+
+        return r
+
+    rest = [asyncio.ensure_future(tok.encode(render(t), special)) for t, special in texts]
+    await asyncio.sleep(0.05)
+    gate.set()
+    return await asyncio.gather(head, *rest, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_prompts_queued_together_are_encoded_in_one_batch_in_order() -> None:
+    fake = CountingTokenizer()
+    tok = PromptTokenizer(lambda: fake)
+    texts = [f"prompt {i}" for i in range(20)]
+    results = await queued_behind_a_gate(tok, [(t, False) for t in texts])
+    assert results[0] == fake.encode("first", False)
+    assert results[1:] == [fake.encode(t, False) for t in texts]
+    assert fake.batch_sizes == [20] and tok.batches == 1
+
+
+@pytest.mark.asyncio
+async def test_each_caller_gets_its_own_error_and_the_others_their_ids() -> None:
+    fake = CountingTokenizer()
+    tok = PromptTokenizer(lambda: fake)
+    results = await queued_behind_a_gate(tok, [("a", False), ("RAISE", False), ("b BAD", True), ("c", True), ("d", False)])
+    assert results[1] == fake.encode("a", False)
+    assert isinstance(results[2], LookupError)  # its template failed
+    assert isinstance(results[3], ValueError)  # its text failed to encode; the batch fell back to one by one
+    assert results[4] == fake.encode("c", True)  # with <bos>: flags are kept per prompt
+    assert results[5] == fake.encode("d", False)
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_while_queued_is_skipped() -> None:
+    fake = CountingTokenizer()
+    tok = PromptTokenizer(lambda: fake)
+    head, gate = await hold_the_thread(tok)
+    rendered: list[str] = []
+    gone = asyncio.ensure_future(tok.encode(lambda: rendered.append("gone") or "gone", False))
+    kept = asyncio.ensure_future(tok.encode(lambda: "kept", False))
+    await asyncio.sleep(0.05)
+    gone.cancel()
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert await kept == fake.encode("kept", False)
+    assert await head == fake.encode("first", False)
+    assert rendered == [] and gone.cancelled()
