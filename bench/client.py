@@ -240,6 +240,7 @@ def summarize(results: list[RequestResult], duration: float, max_tokens: int) ->
         "itl_ms_p99": _pct(itl, 99),
         "tpot_ms_p50": _pct(tpot, 50),
         "tpot_ms_p99": _pct(tpot, 99),
+        "e2e_ms_mean": float(np.mean(e2e)) * 1000 if e2e else None,
         "e2e_ms_p50": _pct(e2e, 50),
         "e2e_ms_p99": _pct(e2e, 99),
         "tokens_per_chunk": out_tokens / max(1, sum(r.chunks for r in ok)),

@@ -196,9 +196,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
-    """Where each server's TTFT goes, from the engine's own histograms (means over the point):
-    before the engine (HTTP, parsing, templating, tokenizing, the client), then the engine
-    (AsyncLLM arrival -> first token, of which scheduler queue and prefill)."""
+    """Where each server's TTFT and latency go, from the engine's own histograms (means over
+    the point): before the engine (HTTP, parsing, templating, tokenizing, the client), then
+    the engine (AsyncLLM arrival -> first token, of which scheduler queue and prefill); and of
+    the whole request, what lies outside the engine's arrival -> finish."""
     rows = []
     for mix in meta["mixes"]:
         for c in meta["concurrencies"]:
@@ -209,16 +210,17 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
                         f"| {t} | {mix} | {c} | {_f(p['ttft_ms_mean'], '{:.2f}')} | "
                         f"{_f(_sub(p['ttft_ms_mean'], p['engine_ttft_ms_mean']), '{:.2f}')} | "
                         f"{_f(p['engine_ttft_ms_mean'], '{:.2f}')} | {_f(p.get('engine_queue_ms_mean'), '{:.2f}')} | "
-                        f"{_f(p.get('engine_prefill_ms_mean'), '{:.2f}')} |"
+                        f"{_f(p.get('engine_prefill_ms_mean'), '{:.2f}')} | {_f(p.get('e2e_ms_mean'), '{:.1f}')} | "
+                        f"{_f(_sub(p.get('e2e_ms_mean'), p.get('engine_e2e_ms_mean')), '{:.2f}')} |"
                     )
     if not rows:
         return []
     return [
         "",
-        "TTFT split (means, ms; the engine's part from its own `vllm:` histograms on /metrics):",
+        "TTFT and latency split (means, ms; the engine's part from its own `vllm:` histograms on /metrics):",
         "",
-        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

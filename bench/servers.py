@@ -265,11 +265,12 @@ class ProcessSampler:
 
 # The engine's own per-request latency histograms, which both servers export on /metrics
 # (vLLM's server natively, the gateway from the same registry). Their means over a point
-# split a server's TTFT into what the engine saw and what came before it.
+# split a server's TTFT and latency into what the engine saw and what the front end added.
 ENGINE_HISTOGRAMS = {
     "engine_ttft": "vllm:time_to_first_token_seconds",  # AsyncLLM arrival -> first token
     "engine_queue": "vllm:request_queue_time_seconds",  # queued in the scheduler
     "engine_prefill": "vllm:request_prefill_time_seconds",  # scheduled -> first token
+    "engine_e2e": "vllm:e2e_request_latency_seconds",  # AsyncLLM arrival -> finished
 }
 
 
