@@ -66,7 +66,11 @@ class PromptTokenizer:
                     jobs.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._run(jobs)
+            try:
+                self._run(jobs)
+            except Exception as exc:  # e.g. no tokenizer (the engine stopped): fail these, keep serving
+                for job in jobs:
+                    _settle(job, None, exc)
 
     def _run(self, jobs: list[_Job]) -> None:
         tokenizer = self._tokenizer()

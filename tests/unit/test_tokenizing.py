@@ -98,3 +98,20 @@ async def test_a_request_cancelled_while_queued_is_skipped() -> None:
     assert await kept == fake.encode("kept", False)
     assert await head == fake.encode("first", False)
     assert rendered == [] and gone.cancelled()
+
+
+@pytest.mark.asyncio
+async def test_the_thread_survives_a_missing_tokenizer() -> None:
+    fake = CountingTokenizer()
+    ready = False
+
+    def tokenizer() -> CountingTokenizer:
+        if not ready:
+            raise RuntimeError("the engine is not ready")
+        return fake
+
+    tok = PromptTokenizer(tokenizer)
+    with pytest.raises(RuntimeError, match="not ready"):
+        await asyncio.wait_for(tok.encode(lambda: "early", False), 5)
+    ready = True
+    assert await asyncio.wait_for(tok.encode(lambda: "later", False), 5) == fake.encode("later", False)
