@@ -5,7 +5,9 @@
 #
 #   bash bench/device.sh start [run.py args]   copy the repo to /root/repo and start
 #                                              run.py --profile gpu in its own session
-#                                              (it outlives the call while the machine is warm)
+#                                              (it outlives the call while the machine is warm);
+#                                              wheels carried in .whl/ are unpacked into
+#                                              /root/site first (httptools: the image lacks it)
 #   bash bench/device.sh wait SECONDS          follow it for up to SECONDS, then copy the
 #                                              results (and a tar.gz of the logs) to $OUT
 #
@@ -21,6 +23,9 @@ start)
   rm -rf /root/repo/bench/results
   cd /root/repo
   export PYTHONPATH=/root/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+  for w in "$REPO"/.whl/*.whl; do  # other carried wheels (httptools): into the staged site dir
+    case "$w" in */py_spy-*|*'*'*) ;; *) python3 -m zipfile -e "$w" /root/site && echo "added $(basename "$w")" ;; esac
+  done
   spy=()  # a carried py-spy wheel (.whl/py_spy-*.whl): profile both front ends in an extra pass
   for w in "$REPO"/.whl/py_spy-*.whl; do
     [ -f "$w" ] || continue

