@@ -238,6 +238,7 @@ def summarize(results: list[RequestResult], duration: float, max_tokens: int) ->
         "itl_ms_mean": float(np.mean(itl)) * 1000 if itl else None,
         "itl_ms_p50": _pct(itl, 50),
         "itl_ms_p99": _pct(itl, 99),
+        "tpot_ms_mean": float(np.mean(tpot)) * 1000 if tpot else None,
         "tpot_ms_p50": _pct(tpot, 50),
         "tpot_ms_p99": _pct(tpot, 99),
         "e2e_ms_mean": float(np.mean(e2e)) * 1000 if e2e else None,

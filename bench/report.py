@@ -202,8 +202,9 @@ def _pct(share: float | None) -> float | None:
 def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
     """Where each server's TTFT and latency go, from the engine's own histograms (means over
     the point): before the engine (HTTP, parsing, templating, tokenizing, the client), then
-    the engine (AsyncLLM arrival -> first token, of which scheduler queue and prefill); and of
-    the whole request, what lies outside the engine's arrival -> finish."""
+    the engine (AsyncLLM arrival -> first token, of which scheduler queue and prefill); of
+    the whole request, what lies outside the engine's arrival -> finish; and the time per
+    output token as the client saw it and as the engine core's clock had it."""
     rows = []
     for mix in meta["mixes"]:
         for c in meta["concurrencies"]:
@@ -216,6 +217,7 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
                         f"{_f(p['engine_ttft_ms_mean'], '{:.2f}')} | {_f(p.get('engine_queue_ms_mean'), '{:.2f}')} | "
                         f"{_f(p.get('engine_prefill_ms_mean'), '{:.2f}')} | {_f(p.get('e2e_ms_mean'), '{:.1f}')} | "
                         f"{_f(_sub(p.get('e2e_ms_mean'), p.get('engine_e2e_ms_mean')), '{:.2f}')} | "
+                        f"{_f(p.get('tpot_ms_mean'), '{:.3f}')} | {_f(p.get('engine_tpot_ms_mean'), '{:.3f}')} | "
                         f"{_f(p.get('engine_prompt_tokens_mean'), '{:.1f}')} | "
                         f"{_f(_pct(p.get('engine_cached_share')), '{:.1f}')} |"
                     )
@@ -225,8 +227,8 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
         "",
         "TTFT and latency split (means, ms; the engine's part from its own `vllm:` histograms on /metrics):",
         "",
-        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine | prompt tokens (engine) | prefix-cached % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine | TPOT (client) | TPOT (engine) | prompt tokens (engine) | prefix-cached % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

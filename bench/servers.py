@@ -271,6 +271,7 @@ ENGINE_HISTOGRAMS = {
     "engine_queue": "vllm:request_queue_time_seconds",  # queued in the scheduler
     "engine_prefill": "vllm:request_prefill_time_seconds",  # scheduled -> first token
     "engine_e2e": "vllm:e2e_request_latency_seconds",  # AsyncLLM arrival -> finished
+    "engine_tpot": "vllm:request_time_per_output_token_seconds",  # first -> last token / (n - 1), engine clock
 }
 
 
