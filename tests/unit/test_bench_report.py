@@ -1,0 +1,58 @@
+"""bench/report.py's arithmetic: the ratio of means, its standard error from the passes, and
+the goal lines that read them (bench/ is not a package, so it is loaded by path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import pytest
+
+from gateway.settings import PROJECT_ROOT
+
+_spec = importlib.util.spec_from_file_location("bench_report", PROJECT_ROOT / "bench" / "report.py")
+assert _spec and _spec.loader
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def _point(target: str, tok_s: float, n: int, mix: str = "base", c: int = 4) -> dict[str, Any]:
+    return {
+        "target": target, "mix": mix, "concurrency": c, "pass": n, "out_tok_per_s": tok_s,
+        "ttft_ms_p50": 10.0, "itl_ms_p50": 1.0, "tpot_ms_p50": 1.0, "duration_s": 10.0,
+    }
+
+
+def _result(vllm: list[float], gateway: list[float]) -> dict[str, Any]:
+    points = [_point("vllm", v, i + 1) for i, v in enumerate(vllm)]
+    points += [_point("gateway", g, i + 1) for i, g in enumerate(gateway)]
+    return {"meta": {"mixes": ["base"], "concurrencies": [4]}, "points": points}
+
+
+def test_ratio_se_is_the_delta_method_on_the_two_means() -> None:
+    gs = [_point("gateway", t, i) for i, t in enumerate([9.0, 11.0])]
+    vs = [_point("vllm", t, i) for i, t in enumerate([19.0, 21.0])]
+    # means 10 and 20, each with stdev sqrt(2) over 2 passes: relative se 0.1 and 0.05
+    assert report.ratio_se(gs, vs) == pytest.approx(0.5 * math.hypot(0.1, 0.05))
+
+
+def test_ratio_se_needs_two_passes_of_each_server() -> None:
+    one = [_point("gateway", 10.0, 1)]
+    two = [_point("vllm", 9.0, 1), _point("vllm", 11.0, 2)]
+    assert report.ratio_se(one, two) is None
+    assert report.ratio_se(two, one) is None
+
+
+def test_a_shortfall_inside_the_passes_spread_passes_the_noise_goal_only() -> None:
+    result = _result(vllm=[40.0, 54.0], gateway=[36.0, 54.0])  # ratio 0.957, spread of +-7-9 tok/s
+    rows = report.compare(result)
+    assert rows[0]["tok_ratio"] == pytest.approx(45 / 47)
+    verdicts = {goal.split(" ")[0]: ok for goal, ok, _ in report.goals(result, rows)}
+    assert verdicts == {"gateway": False, "no": True}
+
+
+def test_a_shortfall_beyond_the_spread_fails_both_goals() -> None:
+    result = _result(vllm=[47.0, 47.2], gateway=[40.0, 40.1])
+    verdicts = [ok for _, ok, _ in report.goals(result, report.compare(result))]
+    assert verdicts == [False, False]
