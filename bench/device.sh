@@ -7,7 +7,9 @@
 #                                              run.py --profile gpu in its own session
 #                                              (it outlives the call while the machine is warm);
 #                                              wheels carried in .whl/ are unpacked into
-#                                              /root/site first (httptools: the image lacks it)
+#                                              /root/site first (the image lacks httptools,
+#                                              pydantic-settings, python-dotenv), then the
+#                                              gateway's imports are checked
 #   bash bench/device.sh wait SECONDS          follow it for up to SECONDS, then copy the
 #                                              results (and a tar.gz of the logs) to $OUT
 #
@@ -26,6 +28,10 @@ start)
   for w in "$REPO"/.whl/*.whl; do  # other carried wheels (httptools): into the staged site dir
     case "$w" in */py_spy-*|*'*'*) ;; *) python3 -m zipfile -e "$w" /root/site && echo "added $(basename "$w")" ;; esac
   done
+  # The gateway's own imports must work before any engine starts (a missing package would
+  # fail every gateway pass minutes into the run, after vLLM's passes spent the budget).
+  PYTHONPATH=/root/site:/root/repo python3 -c "import gateway.app, gateway.cli" \
+    || { echo "the gateway cannot be imported on this image: carry the missing wheels in .whl/" >&2; exit 3; }
   spy=()  # a carried py-spy wheel (.whl/py_spy-*.whl): profile both front ends in an extra pass
   for w in "$REPO"/.whl/py_spy-*.whl; do
     [ -f "$w" ] || continue
