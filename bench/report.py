@@ -1,6 +1,8 @@
 """Results JSON -> markdown table and PNG plot; also checks the issue's goals.
 
 python bench/report.py bench/results/DATE-MACHINE/results.json   (rewrites .md and .png)
+python bench/report.py --merge OUT_DIR A/results.json B/results.json   (one report over several runs'
+    passes, e.g. two runs of the same profile in opposite orders; the meta is A's)
 """
 
 from __future__ import annotations
@@ -328,7 +330,35 @@ def write_reports(result: dict[str, Any], out_dir: Path, png: bool = True) -> No
         print("matplotlib is missing: no PNG (pip install matplotlib, then run bench/report.py)", flush=True)
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The passes of several runs as one run's: each later run's passes of a target are
+    numbered after the earlier runs' (points, and the per-pass server info)."""
+    merged: dict[str, Any] = {**results[0], "points": [], "servers": {}, "notes": []}
+    seen: dict[str, int] = {}  # target -> passes so far
+    for i, r in enumerate(results):
+        offset = dict(seen)
+        for p in r["points"]:
+            n = p.get("pass", 1) + offset.get(p["target"], 0)
+            merged["points"].append({**p, "pass": n})
+            seen[p["target"]] = max(seen.get(p["target"], 0), n)
+        for label, info in r.get("servers", {}).items():
+            target, _, k = label.partition("-")
+            n = int(k or 1) + offset.get(target, 0)
+            merged["servers"][target if n == 1 else f"{target}-{n}"] = info
+        merged["notes"] += [f"run {i + 1} ({r['meta'].get('date')}): {n}" for n in r.get("notes", [])]
+    merged["notes"].append(f"merged from {len(results)} runs; meta (versions, gateway sha) of the first")
+    merged.pop("comparison", None)
+    merged.pop("goals", None)
+    return merged
+
+
 if __name__ == "__main__":
-    path = Path(sys.argv[1])
-    write_reports(json.loads(path.read_text()), path.parent)
-    print((path.parent / "results.md").read_text())
+    if sys.argv[1] == "--merge":
+        out = Path(sys.argv[2])
+        out.mkdir(parents=True, exist_ok=True)
+        write_reports(merge([json.loads(Path(a).read_text()) for a in sys.argv[3:]]), out)
+        print((out / "results.md").read_text())
+    else:
+        path = Path(sys.argv[1])
+        write_reports(json.loads(path.read_text()), path.parent)
+        print((path.parent / "results.md").read_text())

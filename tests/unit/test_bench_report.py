@@ -56,3 +56,19 @@ def test_a_shortfall_beyond_the_spread_fails_both_goals() -> None:
     result = _result(vllm=[47.0, 47.2], gateway=[40.0, 40.1])
     verdicts = [ok for _, ok, _ in report.goals(result, report.compare(result))]
     assert verdicts == [False, False]
+
+
+def test_merge_numbers_a_later_runs_passes_after_the_earlier_ones() -> None:
+    first, second = _result(vllm=[40.0, 50.0], gateway=[45.0]), _result(vllm=[60.0], gateway=[55.0, 65.0])
+    first["servers"] = {"vllm": {"startup_s": 1}, "gateway": {"startup_s": 2}, "vllm-2": {"startup_s": 3}}
+    second["servers"] = {"gateway": {"startup_s": 4}, "vllm": {"startup_s": 5}, "gateway-2": {"startup_s": 6}}
+    merged = report.merge([first, second])
+    passes = sorted((p["target"], p["pass"], p["out_tok_per_s"]) for p in merged["points"])
+    assert passes == [
+        ("gateway", 1, 45.0), ("gateway", 2, 55.0), ("gateway", 3, 65.0),
+        ("vllm", 1, 40.0), ("vllm", 2, 50.0), ("vllm", 3, 60.0),
+    ]
+    assert {k: v["startup_s"] for k, v in merged["servers"].items()} == {
+        "vllm": 1, "gateway": 2, "vllm-2": 3, "gateway-2": 4, "vllm-3": 5, "gateway-3": 6
+    }
+    assert report.compare(merged)[0]["tok_ratio"] == pytest.approx(55 / 50)
