@@ -60,6 +60,22 @@ def ratio_se(gs: list[dict[str, Any]], vs: list[dict[str, Any]], key: str = "out
     return ma / mb * math.hypot(rel_a, rel_b)
 
 
+def paired_ratio(
+    gs: list[dict[str, Any]], vs: list[dict[str, Any]], key: str = "out_tok_per_s"
+) -> tuple[float, float] | None:
+    """Geometric mean of gateway/vLLM over passes paired by number, and its standard error.
+    With the orders run.py is given (vllm,gateway,gateway,vllm,...) pass k of one server runs
+    next to pass k of the other, so the machine's drift between passes cancels in each pair.
+    None without at least two complete pairs."""
+    g = {p.get("pass"): p[key] for p in gs}
+    v = {p.get("pass"): p[key] for p in vs}
+    if len(g) < 2 or g.keys() != v.keys() or not all(g.values()) or not all(v.values()):
+        return None
+    logs = [math.log(g[k] / v[k]) for k in g]
+    ratio = math.exp(statistics.fmean(logs))
+    return ratio, ratio * statistics.stdev(logs) / math.sqrt(len(logs))
+
+
 def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Gateway against vLLM's server (and the ceiling) at each mix and concurrency."""
     pts = index(result["points"])
@@ -73,6 +89,7 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
                 row.update(
                     tok_ratio=g["out_tok_per_s"] / v["out_tok_per_s"] if v["out_tok_per_s"] else None,
                     tok_ratio_se=ratio_se(groups[("gateway", mix, c)], groups[("vllm", mix, c)]),
+                    tok_ratio_paired=paired_ratio(groups[("gateway", mix, c)], groups[("vllm", mix, c)]),
                     ttft_p50_delta_ms=_sub(g["ttft_ms_p50"], v["ttft_ms_p50"]),
                     itl_p50_delta_ms=_sub(g["itl_ms_p50"], v["itl_ms_p50"]),
                     tpot_p50_delta_ms=_sub(g["tpot_ms_p50"], v["tpot_ms_p50"]),
@@ -116,7 +133,12 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
             )
         )
         # With several passes per server: is each shortfall larger than the passes' spread?
-        noisy = [(r["mix"], r["concurrency"], r["tok_ratio"], r["tok_ratio_se"]) for r in rows if r.get("tok_ratio_se")]
+        # Paired passes (drift cancels) where there are, the two means' spread otherwise.
+        noisy = [
+            (r["mix"], r["concurrency"], *(r.get("tok_ratio_paired") or (r["tok_ratio"], r["tok_ratio_se"])))
+            for r in rows
+            if r.get("tok_ratio_paired") or r.get("tok_ratio_se")
+        ]
         if noisy:
             below = [t for t in noisy if t[2] + 2 * t[3] < need]
             worst = min(noisy, key=lambda t: t[2] + 2 * t[3])
@@ -198,13 +220,14 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM):",
         "",
-        "| mix | conc | tok/s ratio | ± se (passes) | TTFT p50 Δ ms | ITL p50 Δ ms | TPOT p50 Δ ms | RSS tree Δ MB | RSS front Δ MB | front CPU Δ µs/tok | vLLM/ceiling | gateway/ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mix | conc | tok/s ratio | ± se (passes) | paired ratio ± se | TTFT p50 Δ ms | ITL p50 Δ ms | TPOT p50 Δ ms | RSS tree Δ MB | RSS front Δ MB | front CPU Δ µs/tok | vLLM/ceiling | gateway/ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        pr = r.get("tok_ratio_paired")
         lines.append(
             f"| {r['mix']} | {r['concurrency']} | {_f(r.get('tok_ratio'), '{:.3f}')} | {_f(r.get('tok_ratio_se'), '{:.3f}')} | "
-            f"{_f(r.get('ttft_p50_delta_ms'), '{:+.2f}')} | "
+            f"{'-' if pr is None else f'{pr[0]:.3f} ± {pr[1]:.3f}'} | {_f(r.get('ttft_p50_delta_ms'), '{:+.2f}')} | "
             f"{_f(r.get('itl_p50_delta_ms'), '{:+.3f}')} | {_f(r.get('tpot_p50_delta_ms'), '{:+.3f}')} | "
             f"{_f(r.get('rss_tree_delta_mb'), '{:+.0f}')} | {_f(r.get('rss_front_delta_mb'), '{:+.0f}')} | "
             f"{_f(r.get('front_cpu_us_delta'), '{:+.0f}')} | {_f(r.get('vllm_of_ceiling'), '{:.3f}')} | {_f(r.get('gateway_of_ceiling'), '{:.3f}')} |"

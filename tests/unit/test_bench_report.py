@@ -72,3 +72,19 @@ def test_merge_numbers_a_later_runs_passes_after_the_earlier_ones() -> None:
         "vllm": 1, "gateway": 2, "vllm-2": 3, "gateway-2": 4, "vllm-3": 5, "gateway-3": 6
     }
     assert report.compare(merged)[0]["tok_ratio"] == pytest.approx(55 / 50)
+
+
+def test_paired_ratio_cancels_drift_that_the_means_carry() -> None:
+    # The machine halves its speed between pairs; within each pair the gateway is 5 % ahead.
+    vs = [_point("vllm", 100.0, 1), _point("vllm", 50.0, 2), _point("vllm", 80.0, 3)]
+    gs = [_point("gateway", 105.0, 1), _point("gateway", 52.5, 2), _point("gateway", 84.0, 3)]
+    ratio, se = report.paired_ratio(gs, vs)
+    assert ratio == pytest.approx(1.05)
+    assert se == pytest.approx(0.0, abs=1e-12)
+    assert report.ratio_se(gs, vs) > 0.1  # the means see the drift as noise
+
+
+def test_paired_ratio_needs_the_same_passes_of_both_servers() -> None:
+    vs = [_point("vllm", 100.0, 1), _point("vllm", 50.0, 2)]
+    assert report.paired_ratio([_point("gateway", 100.0, 1)], vs[:1]) is None
+    assert report.paired_ratio([_point("gateway", 100.0, 1), _point("gateway", 90.0, 3)], vs) is None
