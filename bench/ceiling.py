@@ -1,6 +1,16 @@
-"""The ceiling: the same points through vLLM's AsyncLLM in this process, with no HTTP.
+"""The ceiling: the same points through vLLM's engine in this process, with no HTTP.
 
     python bench/ceiling.py SPEC.json OUT.json
+
+Two loops, chosen by SPEC's ``loop``:
+
+- ``async`` (target ``ceiling``): ``AsyncLLM`` and one asyncio task per stream, as a server
+  drives the engine;
+- ``sync`` (target ``offline``): ``LLMEngine.add_request`` / ``step()`` in a plain loop that
+  keeps ``c`` requests in flight, as ``LLM.generate`` drives it. No event loop, no queue per
+  request: at high concurrency this process does the least per token, so this is the firmer
+  upper bound on throughput (the async loop's client shares one event loop with the engine's
+  output handler, and a lean server can come close to it or pass it).
 
 Run by ``run.py`` as a subprocess (an engine spawns workers, so this has a __main__ guard).
 SPEC holds the engine arguments, the prompt shape, the mixes, the concurrencies and the
@@ -10,7 +20,8 @@ a server is what the server adds on top of the engine: HTTP, JSON, SSE, routing.
 
 Metrics are those of ``client.summarize``: TTFT is the time to the first output that
 carries tokens; ITL the gaps between such outputs (engine steps, possibly several tokens
-when this consumer lags, as with chunks over HTTP).
+when this consumer lags, as with chunks over HTTP). Both loops take DELTA outputs and
+detokenize, as a server must.
 """
 
 from __future__ import annotations
@@ -70,14 +81,99 @@ async def _drive(
     return results, max([r.end for r in results] + [t0]) - t0
 
 
-async def main_async(spec: dict[str, Any], out_path: Path) -> None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+def _drive_sync(
+    engine: Any, params: Any, jobs: list[Job], loras: dict[str, Any], c: int, tag: str
+) -> tuple[list[RequestResult], float]:
+    """A closed loop of ``c`` requests over ``LLMEngine.step()``: a finished request's slot
+    goes to the next job right after the step that finished it."""
+    results: list[RequestResult] = []
+    live: dict[str, list[Any]] = {}  # request id -> [result, time of its last output]
+    todo = iter(enumerate(jobs))
+
+    def submit() -> None:
+        for i, job in todo:
+            rid = f"{tag}-{i}"
+            res = RequestResult(start=time.perf_counter(), prompt_tokens=len(job.prompt_ids or []))
+            live[rid] = [res, res.start]
+            engine.add_request(rid, {"prompt_token_ids": job.prompt_ids}, params, lora_request=loras.get(job.model))
+            return
+
+    t0 = time.perf_counter()
+    for _ in range(c):
+        submit()
+    while live:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            entry = live.get(out.request_id)
+            if entry is None:
+                continue
+            res, last = entry
+            tokens = out.outputs[0].token_ids
+            if tokens:
+                res.completion_tokens += len(tokens)
+                res.chunks += 1
+                if res.ttft is None:
+                    res.ttft = now - res.start
+                else:
+                    res.itl.append(now - last)
+                entry[1] = now
+            if out.finished:
+                del live[out.request_id]
+                res.end = entry[1]
+                res.ok = res.ttft is not None
+                results.append(res)
+                submit()
+    return results, max([r.end for r in results] + [t0]) - t0
+
+
+class _SyncEngine:
+    """``LLMEngine`` behind the two awaitables ``main_async`` uses, so both loops share it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def add_lora(self, lora: Any) -> None:
+        self.engine.add_lora(lora)
+
+    async def drive(self, *args: Any) -> tuple[list[RequestResult], float]:
+        return _drive_sync(self.engine, *args)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None) or getattr(self.engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class _AsyncEngine:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.add_lora = engine.add_lora
+        self.shutdown = engine.shutdown
+
+    async def drive(self, *args: Any) -> tuple[list[RequestResult], float]:
+        return await _drive(self.engine, *args)
+
+
+def _start(spec: dict[str, Any]) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    if spec.get("loop", "async") == "sync":
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        return _SyncEngine(LLMEngine.from_engine_args(EngineArgs(**spec["engine"])))
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    return _AsyncEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**spec["engine"])))
+
+
+async def main_async(spec: dict[str, Any], out_path: Path) -> None:
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    target = "offline" if spec.get("loop") == "sync" else "ceiling"
     t0 = time.time()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**spec["engine"]))
+    engine = _start(spec)
     startup = time.time() - t0
     maker = PromptMaker(spec["model"], spec["prompt_tokens"])
     loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(spec["adapters"].items())}
@@ -102,18 +198,18 @@ async def main_async(spec: dict[str, Any], out_path: Path) -> None:
             )
             for i in range(cmax)
         ]
-        await _drive(engine, warm, jobs, loras, cmax, f"warm-{mix}")
+        await engine.drive(warm, jobs, loras, cmax, f"warm-{mix}")
         for c in spec["concurrencies"]:
             if time.time() > deadline:
-                print(f"ceiling: skipping {mix} c={c} (past the deadline)", flush=True)
+                print(f"{target}: skipping {mix} c={c} (past the deadline)", flush=True)
                 continue
             n = spec["requests"][str(c)]
-            seed = seed_for(spec["run_id"], "ceiling", mix, c)
+            seed = seed_for(spec["run_id"], "ceiling", mix, c)  # same prompts for both loops
             jobs = [Job(names[i % len(names)], prompt_ids=maker.token_ids(seed + i)) for i in range(n)]
             with ProcessSampler(os.getpid()) as rss:
-                res, duration = await _drive(engine, params, jobs, loras, c, f"{mix}-c{c}")
+                res, duration = await engine.drive(params, jobs, loras, c, f"{mix}-c{c}")
             point = {
-                "target": "ceiling",
+                "target": target,
                 "mix": mix,
                 "concurrency": c,
                 "requests": n,
@@ -122,7 +218,7 @@ async def main_async(spec: dict[str, Any], out_path: Path) -> None:
             }
             result["points"].append(point)
             print(
-                f"ceiling {mix} c={c}: {point['out_tok_per_s']:.1f} tok/s TTFT p50 {point['ttft_ms_p50']:.1f} ms "
+                f"{target} {mix} c={c}: {point['out_tok_per_s']:.1f} tok/s TTFT p50 {point['ttft_ms_p50']:.1f} ms "
                 f"ITL p50 {point['itl_ms_p50']:.2f} ms",
                 flush=True,
             )

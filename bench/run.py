@@ -393,7 +393,10 @@ class Bench:
         wanted = {int(c) for c in self.args.ceiling_concurrencies.split(",")}
         return [c for c in self.p["concurrencies"] if c in wanted]
 
-    def run_ceiling(self) -> None:
+    def run_ceiling(self, target: str = "ceiling") -> None:
+        """``ceiling``: AsyncLLM, one task per stream; ``offline``: LLMEngine.step() in a plain
+        loop (bench/ceiling.py says why both)."""
+        loop = "sync" if target == "offline" else "async"
         spec = {
             "engine": self.spec.engine_kwargs(),
             "model": self.spec.model,
@@ -405,11 +408,12 @@ class Bench:
             "mixes": {m: self.model_names[m] for m in self.mixes},
             "run_id": self.run_id,
             "deadline": (self.t0 + self.args.budget_s) if self.args.budget_s else None,
+            "loop": loop,
         }
-        spec_path, out_path = self.work / "ceiling-spec.json", self.work / "ceiling-out.json"
+        spec_path, out_path = self.work / f"{target}-spec.json", self.work / f"{target}-out.json"
         spec_path.write_text(json.dumps(spec))
-        log_path = self.out / "logs" / "ceiling.log"
-        log("starting the engine without HTTP (bench/ceiling.py)")
+        log_path = self.out / "logs" / f"{target}.log"
+        log(f"starting the engine without HTTP (bench/ceiling.py, {loop} loop)")
         with open(log_path, "wb") as fh:
             proc = subprocess.run(
                 [sys.executable, str(Path(__file__).parent / "ceiling.py"), str(spec_path), str(out_path)],
@@ -419,8 +423,9 @@ class Bench:
                 cwd=REPO,
                 timeout=self.args.ceiling_timeout_s,
             )
-        info: dict[str, Any] = {"cmd": "bench/ceiling.py (vllm AsyncLLM in-process, same engine args)"}
-        self.result["servers"]["ceiling"] = info
+        how = "AsyncLLM" if loop == "async" else "LLMEngine.step() loop"
+        info: dict[str, Any] = {"cmd": f"bench/ceiling.py (vllm {how} in-process, same engine args)"}
+        self.result["servers"][target] = info
         if out_path.is_file():
             r = json.loads(out_path.read_text())
             info["startup_s"] = r.get("startup_s")
@@ -428,11 +433,11 @@ class Bench:
             self.result["points"] += r.get("points", [])
             for pt in r.get("points", []):
                 log(
-                    f"ceiling {pt['mix']} c={pt['concurrency']}: {pt['out_tok_per_s']:.1f} tok/s TTFT p50 {_ms(pt['ttft_ms_p50'])}"
+                    f"{target} {pt['mix']} c={pt['concurrency']}: {pt['out_tok_per_s']:.1f} tok/s TTFT p50 {_ms(pt['ttft_ms_p50'])}"
                 )
         if proc.returncode != 0:
-            self.note(f"ceiling exited with {proc.returncode}: {tail(log_path, 15)}")
-            log(f"ERROR ceiling rc={proc.returncode}; see {log_path}")
+            self.note(f"{target} exited with {proc.returncode}: {tail(log_path, 15)}")
+            log(f"ERROR {target} rc={proc.returncode}; see {log_path}")
 
     # -- output ----------------------------------------------------------------------
     def note(self, text: str) -> None:
@@ -449,11 +454,11 @@ class Bench:
             passes[target] = passes.get(target, 0) + 1
             if target in ("vllm", "gateway"):
                 self.run_server(target, passes[target])
-            elif target == "ceiling":
+            elif target in ("ceiling", "offline"):
                 try:
-                    self.run_ceiling()
+                    self.run_ceiling(target)
                 except subprocess.TimeoutExpired:
-                    self.note("ceiling timed out")
+                    self.note(f"{target} timed out")
         self.result["meta"]["wall_s"] = time.time() - self.t0
         self.save(png=True)
         shutil.rmtree(self.work, ignore_errors=True)
@@ -479,7 +484,8 @@ def main() -> int:
         "--targets",
         default="vllm,gateway,ceiling",
         help="which to run, in order; a server named twice runs twice and its points are averaged "
-        "(vllm,gateway,gateway,vllm evens out the order effect)",
+        "(vllm,gateway,gateway,vllm evens out the order effect); ceiling = AsyncLLM with no HTTP, "
+        "offline = LLMEngine.step() loop with no HTTP (the firmer bound at high concurrency)",
     )
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--concurrencies", help="e.g. 1,4,16 (default: the profile's)")

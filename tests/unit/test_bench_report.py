@@ -88,3 +88,18 @@ def test_paired_ratio_needs_the_same_passes_of_both_servers() -> None:
     vs = [_point("vllm", 100.0, 1), _point("vllm", 50.0, 2)]
     assert report.paired_ratio([_point("gateway", 100.0, 1)], vs[:1]) is None
     assert report.paired_ratio([_point("gateway", 100.0, 1), _point("gateway", 90.0, 3)], vs) is None
+
+
+def test_the_gateway_is_measured_against_the_faster_no_http_loop() -> None:
+    result = _result(vllm=[80.0], gateway=[93.0])
+    result["points"] += [_point("ceiling", 90.0, 1), _point("offline", 100.0, 1)]
+    row = report.compare(result)[0]
+    assert row["ceiling_target"] == "offline"
+    assert row["gateway_of_ceiling"] == pytest.approx(0.93)
+    assert row["vllm_of_ceiling"] == pytest.approx(0.80)
+    moonshot = [(ok, detail) for goal, ok, detail in report.goals(result, [row]) if goal.startswith("moonshot")]
+    assert moonshot == [(False, "worst 0.930 (base, against offline)")]
+    result["points"] = [p for p in result["points"] if p["target"] != "offline"]
+    row = report.compare(result)[0]
+    assert (row["ceiling_target"], row["gateway_of_ceiling"]) == ("ceiling", pytest.approx(93 / 90))
+    assert [ok for goal, ok, _ in report.goals(result, [row]) if goal.startswith("moonshot")] == [True]
