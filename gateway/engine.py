@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest
-from gateway.placement import keep_off_worker_cores
 from gateway.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -136,8 +135,6 @@ class EngineManager:
                 self.served_model_name = self.served_model_name or EMBEDDED_NAME
             self.served_model_name = self.served_model_name or Path(self.model_path).name
             self._engine = self._create_engine()
-            if self.settings.cpu_placement and _on_cpu():
-                keep_off_worker_cores()
             tokenizer = self._engine.get_tokenizer()
             if inspect.isawaitable(tokenizer):  # vllm 0.25 returns a coroutine
                 tokenizer = await tokenizer
@@ -283,12 +280,6 @@ class EngineManager:
 
 
 # -- conversions to and from vLLM types ------------------------------------------------
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def _sampling_params(s: SamplingSpec) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -56,9 +56,6 @@ class EngineSettings(_Section):
     load_format: str | None = None
     seed: int | None = 0
     cpu_kvcache_space_gib: int = Field(2, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
-    cpu_placement: bool = Field(
-        True, description="on CPU, keep the gateway and the engine core off the cores vLLM binds its workers to"
-    )
     engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM unchanged")
 
 
