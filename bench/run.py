@@ -13,6 +13,7 @@ never imports ``gateway`` (STYLE.md section 10); the gateway runs as ``python -m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -215,7 +217,8 @@ class Bench:
                 "requests": self.p["requests"],
                 "mixes": self.mixes,
                 "adapter_rank": self.p["adapter_rank"],
-                "client": "bench/client.py (aiohttp, own SSE parsing; metrics as vllm bench serve, TTFT to first text event)",
+                "client": "bench/client.py (aiohttp, own SSE parsing; metrics as vllm bench serve, TTFT to first text event)"
+                + (f", pinned to cores {self.args.client_cpus}" if self.args.client_cpus else ""),
             },
             "servers": {},
             "points": [],
@@ -324,7 +327,7 @@ class Bench:
         seed = seed_for(self.run_id, pass_label(target, n_pass), mix, c)
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
         hist0 = engine_histograms(server.base_url, self.api_key)
-        with ProcessSampler(pid) as rss:
+        with ProcessSampler(pid) as rss, client_cpus(self.args.client_cpus):
             res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
         engine = engine_means_ms(hist0, engine_histograms(server.base_url, self.api_key))
         point = {
@@ -467,6 +470,30 @@ class Bench:
         return 0
 
 
+@contextlib.contextmanager
+def client_cpus(spec: str | None) -> Iterator[None]:
+    """Pin this process (the load generator) to the cores in ``spec`` ("1", "2-3,6") while a
+    point runs, then restore it, so servers started later do not inherit the mask. Keeps the
+    client off the cores an engine worker is bound to (vLLM on CPU binds its worker's threads)."""
+    if not spec:
+        yield
+        return
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    before = os.sched_getaffinity(0)
+    threads = [int(t) for t in os.listdir("/proc/self/task")]
+    for tid in threads:
+        os.sched_setaffinity(tid, cores)
+    try:
+        yield
+    finally:
+        for tid in [int(t) for t in os.listdir("/proc/self/task")]:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before)
+
+
 def pass_label(target: str, n: int) -> str:
     """'gateway' for a server's first pass, 'gateway-2' for its second (logs, seeds, server info)."""
     return target if n == 1 else f"{target}-{n}"
@@ -503,6 +530,11 @@ def main() -> int:
         "--ceiling-concurrencies", help="run the no-HTTP ceiling at these points only (e.g. 256; default: all)"
     )
     ap.add_argument("--ceiling-timeout-s", type=float, default=1800)
+    ap.add_argument(
+        "--client-cpus",
+        help="pin the load generator to these cores while a point runs (e.g. 1 on 2 cores, where vLLM binds "
+        "its CPU worker to core 0)",
+    )
     ap.add_argument(
         "--pyspy", help="path of a py-spy binary: profile each server's front end in an extra pass"
     )
