@@ -2,11 +2,10 @@
 
     python bench/ceiling.py SPEC.json OUT.json
 
-Two loops, chosen by SPEC's ``loop``:
+Two loops, chosen by SPEC's ``target``:
 
-- ``async`` (target ``ceiling``): ``AsyncLLM`` and one asyncio task per stream, as a server
-  drives the engine;
-- ``sync`` (target ``offline``): ``LLMEngine.add_request`` / ``step()`` in a plain loop that
+- ``ceiling``: ``AsyncLLM`` and one asyncio task per stream, as a server drives the engine;
+- ``offline``: ``LLMEngine.add_request`` / ``step()`` in a plain loop that
   keeps ``c`` requests in flight, as ``LLM.generate`` drives it. No event loop, no queue per
   request: at high concurrency this process does the least per token, so this is the firmer
   upper bound on throughput (the async loop's client shares one event loop with the engine's
@@ -40,6 +39,20 @@ from client import Job, PromptMaker, RequestResult, seed_for, summarize
 from servers import ProcessSampler
 
 
+def _record(res: RequestResult, token_ids: Any, now: float, last: float) -> float:
+    """Count one engine output of ``res`` (both loops); returns the time of its latest output
+    that carried tokens (TTFT and ITL are measured between those)."""
+    if not token_ids:
+        return last
+    res.completion_tokens += len(token_ids)
+    res.chunks += 1
+    if res.ttft is None:
+        res.ttft = now - res.start
+    else:
+        res.itl.append(now - last)
+    return now
+
+
 async def _one(engine: Any, params: Any, job: Job, rid: str, lora: Any) -> RequestResult:
     res = RequestResult(start=time.perf_counter())
     last = res.start
@@ -47,16 +60,7 @@ async def _one(engine: Any, params: Any, job: Job, rid: str, lora: Any) -> Reque
         async for out in engine.generate(
             {"prompt_token_ids": job.prompt_ids}, params, rid, lora_request=lora
         ):
-            now = time.perf_counter()
-            c = out.outputs[0]
-            if c.token_ids:
-                res.completion_tokens += len(c.token_ids)
-                res.chunks += 1
-                if res.ttft is None:
-                    res.ttft = now - res.start
-                else:
-                    res.itl.append(now - last)
-                last = now
+            last = _record(res, out.outputs[0].token_ids, time.perf_counter(), last)
         res.prompt_tokens = len(job.prompt_ids or [])
         res.end = last
         res.ok = res.ttft is not None
@@ -108,16 +112,8 @@ def _drive_sync(
             entry = live.get(out.request_id)
             if entry is None:
                 continue
-            res, last = entry
-            tokens = out.outputs[0].token_ids
-            if tokens:
-                res.completion_tokens += len(tokens)
-                res.chunks += 1
-                if res.ttft is None:
-                    res.ttft = now - res.start
-                else:
-                    res.itl.append(now - last)
-                entry[1] = now
+            res = entry[0]
+            entry[1] = _record(res, out.outputs[0].token_ids, now, entry[1])
             if out.finished:
                 del live[out.request_id]
                 res.end = entry[1]
@@ -140,9 +136,7 @@ class _SyncEngine:
         return _drive_sync(self.engine, *args)
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None) or getattr(self.engine.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.engine.engine_core.shutdown()  # LLMEngine has no shutdown of its own (0.25.1, 0.32)
 
 
 class _AsyncEngine:
@@ -158,7 +152,7 @@ class _AsyncEngine:
 def _start(spec: dict[str, Any]) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
-    if spec.get("loop", "async") == "sync":
+    if spec.get("target") == "offline":
         from vllm.v1.engine.llm_engine import LLMEngine
 
         return _SyncEngine(LLMEngine.from_engine_args(EngineArgs(**spec["engine"])))
@@ -171,7 +165,7 @@ async def main_async(spec: dict[str, Any], out_path: Path) -> None:
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    target = "offline" if spec.get("loop") == "sync" else "ceiling"
+    target = spec.get("target", "ceiling")
     t0 = time.time()
     engine = _start(spec)
     startup = time.time() - t0

@@ -26,8 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -399,7 +399,6 @@ class Bench:
     def run_ceiling(self, target: str = "ceiling") -> None:
         """``ceiling``: AsyncLLM, one task per stream; ``offline``: LLMEngine.step() in a plain
         loop (bench/ceiling.py says why both)."""
-        loop = "sync" if target == "offline" else "async"
         spec = {
             "engine": self.spec.engine_kwargs(),
             "model": self.spec.model,
@@ -411,12 +410,13 @@ class Bench:
             "mixes": {m: self.model_names[m] for m in self.mixes},
             "run_id": self.run_id,
             "deadline": (self.t0 + self.args.budget_s) if self.args.budget_s else None,
-            "loop": loop,
+            "target": target,
         }
         spec_path, out_path = self.work / f"{target}-spec.json", self.work / f"{target}-out.json"
         spec_path.write_text(json.dumps(spec))
         log_path = self.out / "logs" / f"{target}.log"
-        log(f"starting the engine without HTTP (bench/ceiling.py, {loop} loop)")
+        how = "LLMEngine.step() loop" if target == "offline" else "AsyncLLM"
+        log(f"starting the engine without HTTP (bench/ceiling.py, {how})")
         with open(log_path, "wb") as fh:
             proc = subprocess.run(
                 [sys.executable, str(Path(__file__).parent / "ceiling.py"), str(spec_path), str(out_path)],
@@ -426,7 +426,6 @@ class Bench:
                 cwd=REPO,
                 timeout=self.args.ceiling_timeout_s,
             )
-        how = "AsyncLLM" if loop == "async" else "LLMEngine.step() loop"
         info: dict[str, Any] = {"cmd": f"bench/ceiling.py (vllm {how} in-process, same engine args)"}
         self.result["servers"][target] = info
         if out_path.is_file():
@@ -483,15 +482,18 @@ def client_cpus(spec: str | None) -> Iterator[None]:
         lo, _, hi = part.partition("-")
         cores.update(range(int(lo), int(hi or lo) + 1))
     before = os.sched_getaffinity(0)
-    threads = [int(t) for t in os.listdir("/proc/self/task")]
-    for tid in threads:
-        os.sched_setaffinity(tid, cores)
+    _pin_threads(cores)
     try:
         yield
     finally:
-        for tid in [int(t) for t in os.listdir("/proc/self/task")]:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, before)
+        _pin_threads(before)
+
+
+def _pin_threads(cores: set[int]) -> None:
+    """Every thread of this process (the sampler's too), not only the calling one."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
 
 
 def pass_label(target: str, n: int) -> str:
