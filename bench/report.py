@@ -7,6 +7,7 @@ python bench/report.py --merge OUT_DIR A/results.json B/results.json   (one repo
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -400,13 +401,24 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "--merge":
-        out = Path(sys.argv[2])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Rewrite results.{md,png} from a results.json, or merge several runs' results into one report."
+    )
+    parser.add_argument("results", nargs="+", type=Path, help="results.json file(s); with --merge, the runs to merge")
+    parser.add_argument("--merge", type=Path, metavar="OUT", help="merge the given runs into OUT/results.*")
+    args = parser.parse_args(argv)
+    if args.merge:
+        out = args.merge
         out.mkdir(parents=True, exist_ok=True)
-        write_reports(merge([json.loads(Path(a).read_text()) for a in sys.argv[3:]]), out)
-        print((out / "results.md").read_text())
+        write_reports(merge([json.loads(p.read_text()) for p in args.results]), out)
     else:
-        path = Path(sys.argv[1])
-        write_reports(json.loads(path.read_text()), path.parent)
-        print((path.parent / "results.md").read_text())
+        if len(args.results) != 1:
+            parser.error("one results.json at a time (or --merge OUT A B ...)")
+        out = args.results[0].parent
+        write_reports(json.loads(args.results[0].read_text()), out)
+    print((out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
