@@ -63,6 +63,7 @@ from gateway.sse import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class Gateway:
@@ -170,6 +171,7 @@ class Gateway:
             reload_now.clear()
             current = self.adapter_files_signature()
             if asked or current != last:
+                current = await settled(self.adapter_files_signature, current, quiet=min(0.1, interval))
                 await self.reload_catalog()
                 # Files the reload read keep the stat seen before it: one changed while the
                 # reload ran (it awaits the engine) differs at the next poll, not never.
@@ -177,6 +179,19 @@ class Gateway:
                 last = tuple((p, *before.get(p, (m, s))) for p, m, s in self.adapter_files_signature())
             if self.catalog is not None:
                 await self.catalog.remove_drained()
+
+
+async def settled(signature: Callable[[], T], seen: T, *, quiet: float, max_wait: float = 2.0) -> T:
+    """Wait until ``signature()`` stays the same for ``quiet`` seconds (a save or a copy in
+    progress), at most ``max_wait``: a reload should read whole files, not half of an edit."""
+    deadline = time.monotonic() + max_wait
+    while time.monotonic() < deadline:
+        await asyncio.sleep(quiet)
+        now = signature()
+        if now == seen:
+            break
+        seen = now
+    return seen
 
 
 # -- request helpers ----------------------------------------------------------------------

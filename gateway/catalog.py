@@ -136,8 +136,10 @@ def load_table(
     """Build a table from the catalog file. A broken file raises ``ConfigError``;
     a broken entry is left out and reported in ``table.errors``."""
     try:
-        raw = yaml.safe_load(catalog_path.read_text()) or {}
-        spec = CatalogFile.model_validate(raw)
+        text = catalog_path.read_text()
+        if not text.strip():  # an editor's save truncates first: never read that as "no routes"
+            raise ConfigError(f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)")
+        spec = CatalogFile.model_validate(yaml.safe_load(text) or {})
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
     base = Route(

@@ -84,10 +84,15 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         assert models(gateway)["hot"]["digest"] == models(gateway)["json"]["digest"]
         await asyncio.sleep(1.5)
 
-        # 3. A broken edit keeps the last good table serving and reports the error.
+        # 3. A save caught half-way (an editor truncates, then writes) is an error, not "no routes";
+        #    a broken edit after it keeps the table from before both and reports the error.
         swaps.append(time.monotonic())
+        gateway.catalog.write_text("")
+        await wait_for(lambda: "empty" in str(admin(gateway)["last_error"]), SWAP_DEADLINE_S)
+        assert "hot" in models(gateway)
         gateway.catalog.write_text("routes: [this is not yaml\n")
-        await wait_for(lambda: admin(gateway)["last_error"] is not None, SWAP_DEADLINE_S)
+        await wait_for(lambda: "empty" not in str(admin(gateway)["last_error"]), SWAP_DEADLINE_S)
+        assert admin(gateway)["last_error"] is not None
         assert "hot" in models(gateway)
         await asyncio.sleep(1.0)
 

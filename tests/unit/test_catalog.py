@@ -154,6 +154,13 @@ def test_broken_catalog_file_raises_one_line(tmp_path: Path, root: Path) -> None
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("text", ["", "   \n\n"])
+def test_an_empty_catalog_file_is_an_error_not_an_empty_catalog(tmp_path: Path, root: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match="the file is empty"):
+        table_for(tmp_path, root, text)
+    assert table_for(tmp_path, root, "routes: []\n").routes == {}  # no routes, said on purpose
+
+
 def test_safe_adapter_path_refuses_parent_parts(tmp_path: Path, root: Path) -> None:
     with pytest.raises(ConfigError):
         safe_adapter_path("shout/../../x", root)
@@ -220,3 +227,30 @@ async def test_broken_reload_keeps_the_last_good_table(tmp_path: Path, root: Pat
     assert catalog.table is good
     assert catalog.last_error and "adapters.yaml" in catalog.last_error
     assert catalog.resolve("loud").name == "shout"
+
+
+async def test_a_truncated_catalog_keeps_the_last_good_table(tmp_path: Path, root: Path) -> None:
+    """An editor's save truncates, then writes: a reload that lands in between keeps serving."""
+    catalog, path = live_catalog(tmp_path, root, [])
+    good = catalog.table
+    path.write_text("")
+    assert not catalog.reload()
+    assert catalog.table is good and "empty" in (catalog.last_error or "")
+    path.write_text("routes: [oops\n")  # then a broken edit: still the table before the truncation
+    assert not catalog.reload()
+    assert catalog.resolve("loud").name == "shout"
+    path.write_text(CATALOG)
+    assert catalog.reload() and catalog.last_error is None
+
+
+async def test_the_watcher_waits_for_files_to_settle() -> None:
+    """A change seen mid-save is read only once the files stop changing (or after max_wait)."""
+    from gateway.app import settled
+
+    states = iter(["half", "whole", "whole", "whole"])
+    assert await settled(lambda: next(states), "empty", quiet=0.001) == "whole"
+    assert next(states) == "whole"  # stopped at the first unchanged look: one call left over
+
+    ticks = iter(range(10**6))  # never settles: give up after max_wait with the newest
+    last = await settled(lambda: next(ticks), -1, quiet=0.01, max_wait=0.05)
+    assert last == next(ticks) - 1  # returned, with the newest signature it read
