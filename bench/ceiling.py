@@ -7,9 +7,9 @@ Two loops, chosen by SPEC's ``target``:
 - ``ceiling``: ``AsyncLLM`` and one asyncio task per stream, as a server drives the engine;
 - ``offline``: ``LLMEngine.add_request`` / ``step()`` in a plain loop that
   keeps ``c`` requests in flight, as ``LLM.generate`` drives it. No event loop, no queue per
-  request: at high concurrency this process does the least per token, so this is the firmer
-  upper bound on throughput (the async loop's client shares one event loop with the engine's
-  output handler, and a lean server can come close to it or pass it).
+  request. On CPU it beat the async loop (smoke profile); on the H200 it is slower than
+  AsyncLLM and than the gateway (run7; why was not measured). ``run.py`` measures servers
+  against the faster of the two.
 
 Run by ``run.py`` as a subprocess (an engine spawns workers, so this has a __main__ guard).
 SPEC holds the engine arguments, the prompt shape, the mixes, the concurrencies and the

@@ -514,7 +514,7 @@ def main() -> int:
         default="vllm,gateway,ceiling",
         help="which to run, in order; a server named twice runs twice and its points are averaged "
         "(vllm,gateway,gateway,vllm evens out the order effect); ceiling = AsyncLLM with no HTTP, "
-        "offline = LLMEngine.step() loop with no HTTP (the firmer bound at high concurrency)",
+        "offline = LLMEngine.step() loop with no HTTP, as LLM.generate (the report takes the faster of the two)",
     )
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--concurrencies", help="e.g. 1,4,16 (default: the profile's)")
