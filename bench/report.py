@@ -17,6 +17,10 @@ from typing import Any
 
 TARGETS = ("vllm", "gateway", "ceiling", "offline")
 BOUNDS = ("ceiling", "offline")  # the engine with no HTTP: AsyncLLM tasks, LLMEngine.step() loop
+MOONSHOT_BOUNDS = (  # the bound is offline generate; AsyncLLM is the stricter one on a GPU
+    ("offline", "offline generate (LLMEngine.step(), as LLM.generate drives the engine)"),
+    ("ceiling", "AsyncLLM with no HTTP (stricter where it is the faster)"),
+)
 
 
 def _f(v: Any, fmt: str = "{:.1f}") -> str:
@@ -105,6 +109,12 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
                     row["vllm_of_ceiling"] = v["out_tok_per_s"] / e["out_tok_per_s"]
                 if g:
                     row["gateway_of_ceiling"] = g["out_tok_per_s"] / e["out_tok_per_s"]
+            if g:  # each bound on its own, for the goal lines
+                row["gateway_of"] = {
+                    t: g["out_tok_per_s"] / b["out_tok_per_s"]
+                    for t in BOUNDS
+                    if (b := pts.get((t, mix, c))) and b["out_tok_per_s"]
+                }
             rows.append(row)
     return rows
 
@@ -175,20 +185,21 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
                     )
                 )
     cmax = max(result["meta"]["concurrencies"])
-    of_bound = [
-        (r["mix"], r["gateway_of_ceiling"], r["ceiling_target"])
-        for r in rows
-        if r["concurrency"] == cmax and r.get("gateway_of_ceiling") is not None
-    ]
-    if of_bound:
-        worst = min(of_bound, key=lambda t: t[1])
-        out.append(
-            (
-                f"moonshot: gateway tok/s at c={cmax} at least 0.95x the engine with no HTTP",
-                worst[1] >= 0.95,
-                f"worst {worst[1]:.3f} ({worst[0]}, against {worst[2]})",
+    for target, what in MOONSHOT_BOUNDS:
+        of_bound = [
+            (r["mix"], r["gateway_of"][target])
+            for r in rows
+            if r["concurrency"] == cmax and target in r.get("gateway_of", {})
+        ]
+        if of_bound:
+            worst = min(of_bound, key=lambda t: t[1])
+            out.append(
+                (
+                    f"moonshot: gateway tok/s at c={cmax} at least 0.95x {what}",
+                    worst[1] >= 0.95,
+                    f"worst {worst[1]:.3f} ({worst[0]})",
+                )
             )
-        )
     rss = [
         r["rss_tree_delta_mb"]
         for r in rows
