@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Any
@@ -20,21 +21,33 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Any) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it may run between any two bytecodes of the main thread, so it
+        # only flips flags and hands the rest to the loop (no logging, no loop lookup here).
         admission = self.gateway.admission
-        if admission.draining or self.should_exit:
+        if admission.draining or self.should_exit or self._loop is None:
             super().handle_exit(sig, frame)
             return
         admission.draining = True
-        log.info("%s: draining %d request(s)", signal.Signals(sig).name, admission.inflight)
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        log.info("%s: draining %d request(s)", signal.Signals(sig).name, self.gateway.admission.inflight)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.gateway.settings.limits.drain_timeout_s
         while self.gateway.admission.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.gateway.admission.inflight:
+            log.warning("drain timeout: %d request(s) still in flight", self.gateway.admission.inflight)
         self.should_exit = True
 
     def exit_now(self) -> None:

@@ -183,7 +183,17 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
     detail = lambda: f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"  # noqa: E731
     wait_until(three_in_flight, 30, "three requests in flight", detail)
     small.process.send_signal(signal.SIGTERM)
-    wait_until(lambda: httpx.get(small.url + "/ready").status_code == 503, 1, "/ready turns 503 at once")
+
+    def ready_status() -> int:
+        try:
+            return httpx.get(small.url + "/ready").status_code
+        except httpx.TransportError as exc:  # say what the gateway did, not just that it is gone
+            for t in threads:
+                t.join(20)
+            raise AssertionError(f"/ready: {exc!r}; gateway exit code {small.process.poll()}; {detail()}") from exc
+
+    wait_until(lambda: ready_status() == 503, 3, "/ready turns 503 at once", detail)
+    assert inflight(small) >= 1, "the streams were still running when /ready turned 503"
     refused = small.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
     for t in threads:
