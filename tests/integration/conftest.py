@@ -74,7 +74,9 @@ def gateway_env() -> dict[str, str]:
     return env
 
 
-def start_gateway(workdir: Path, *extra: str, catalog_text: str | None = None, settings_text: str = TEST_SETTINGS) -> LiveGateway:
+def start_gateway(
+    workdir: Path, *extra: str, catalog_text: str | None = None, settings_text: str = TEST_SETTINGS, wait: bool = True
+) -> LiveGateway:
     adapters = workdir / "adapters"
     if not adapters.exists():
         shutil.copytree(ROOT / "adapters", adapters, ignore=shutil.ignore_patterns("*.py", "*.json.bak", "__pycache__"))
@@ -97,13 +99,20 @@ def start_gateway(workdir: Path, *extra: str, catalog_text: str | None = None, s
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, env=gateway_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     gw = LiveGateway(f"http://127.0.0.1:{port}", catalog, adapters, log, process)
+    if wait:
+        wait_ready(gw)
+    return gw
+
+
+def wait_ready(gw: LiveGateway) -> None:
+    process = gw.process
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"gateway exited with {process.returncode}:\n{gw.log_tail()}")
         try:
             if httpx.get(gw.url + "/ready", timeout=2).status_code == 200:
-                return gw
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.5)

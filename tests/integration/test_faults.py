@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -205,6 +206,45 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
     small.process.wait(60)
     time.sleep(1)
     assert not [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def in_group(pgid: int) -> list[psutil.Process]:
+    """Live processes of a process group (the gateway runs in its own session)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+def test_health_answers_while_the_engine_starts_and_sigterm_stops_the_start(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    gw = start_gateway(tmp_path_factory.mktemp("starting"), wait=False)
+    try:
+
+        def health() -> int:
+            try:
+                return httpx.get(gw.url + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                assert gw.process.poll() is None, gw.log_tail()
+                return 0
+
+        wait_until(lambda: health() == 200, 120, "/health answers while the engine starts", gw.log_tail)
+        ready = httpx.get(gw.url + "/ready", timeout=5)
+        assert (ready.status_code, ready.json()) == (503, {"status": "starting"})
+        r = gw.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"]
+        gw.process.send_signal(signal.SIGTERM)
+        assert gw.process.wait(300) == 0, gw.log_tail()
+        time.sleep(1)
+        assert not in_group(gw.process.pid), "a process of the gateway outlived it"
+        assert "engine ready" not in gw.log.read_text(), "the start had finished before the signal"
+    finally:
+        stop_gateway(gw)
 
 
 # -- engine death -----------------------------------------------------------------------
