@@ -29,7 +29,7 @@ test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
 
 bench: $(STAMP)
-	$(PY) bench/run.py
+	$(PY) -m bench.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

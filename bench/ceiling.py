@@ -1,6 +1,6 @@
 """The ceiling: the same points through vLLM's engine in this process, with no HTTP.
 
-    python bench/ceiling.py SPEC.json OUT.json
+    python -m bench.ceiling SPEC.json OUT.json
 
 Two loops, chosen by SPEC's ``target``:
 
@@ -33,10 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Job, PromptMaker, RequestResult, seed_for, summarize
-from servers import ProcessSampler
+from bench.client import Job, PromptMaker, RequestResult, seed_for, summarize
+from bench.servers import ProcessSampler
 
 
 def _record(res: RequestResult, token_ids: Any, now: float, last: float) -> float:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run of bench/run.py on the nvidia-h200 device, across several `run` calls.
+# The GPU run of `python -m bench.run` on the nvidia-h200 device, across several `run` calls.
 # Needs vllm 0.25.1 and the 1B-shaped model already installed by the staging recipe
 # (shared/gpu: device.sh recv/install -> /root/site, /root/model). From the repo root:
 #
@@ -38,7 +38,7 @@ start)
     rm -rf /root/pyspy && python3 -m zipfile -e "$w" /root/pyspy
     b=$(ls /root/pyspy/*.data/scripts/py-spy) && chmod +x "$b" && spy=(--pyspy "$b")
   done
-  setsid nohup python3 bench/run.py --profile gpu --model /root/model --out "$RES" "${spy[@]}" "$@" \
+  setsid nohup python3 -m bench.run --profile gpu --model /root/model --out "$RES" "${spy[@]}" "$@" \
     > /root/bench.log 2>&1 < /dev/null &
   echo $! > /root/bench.pid
   echo "started run.py (pid $(cat /root/bench.pid))" ;;

@@ -1,6 +1,6 @@
 """Random PEFT LoRA adapters for the benchmark, shaped for a model directory.
 
-    python bench/make_adapters.py --model MODEL_DIR --out ROOT --base-name NAME [--n 4] [--rank 8]
+    python -m bench.make_adapters --model MODEL_DIR --out ROOT --base-name NAME [--n 4] [--rank 8]
 
 Writes ROOT/a0 .. ROOT/a{n-1}, each ``adapter_config.json`` + ``adapter_model.safetensors``
 with keys ``base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight``.

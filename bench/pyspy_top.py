@@ -1,6 +1,6 @@
 """Top frames of a py-spy ``--format raw`` profile (collapsed stacks).
 
-    python bench/pyspy_top.py bench/results/DATE-MACHINE/logs/pyspy-gateway.txt [N]
+    python -m bench.pyspy_top bench/results/DATE-MACHINE/logs/pyspy-gateway.txt [N]
 
 Prints the N functions with the most samples on top of the stack (self) and anywhere in
 it (inclusive), and the share of samples that pass through the gateway's own code.

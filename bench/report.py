@@ -1,7 +1,7 @@
 """Results JSON -> markdown table and PNG plot; also checks the issue's goals.
 
-python bench/report.py bench/results/DATE-MACHINE/results.json   (rewrites .md and .png)
-python bench/report.py --merge OUT_DIR A/results.json B/results.json   (one report over several runs'
+python -m bench.report bench/results/DATE-MACHINE/results.json   (rewrites .md and .png)
+python -m bench.report --merge OUT_DIR A/results.json B/results.json   (one report over several runs'
     passes, e.g. two runs of the same profile in opposite orders; the meta is A's)
 """
 
@@ -386,7 +386,7 @@ def write_reports(result: dict[str, Any], out_dir: Path, png: bool = True) -> No
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     (out_dir / "results.md").write_text(markdown(result))
     if png and not plot(result, out_dir / "results.png"):
-        print("matplotlib is missing: no PNG (pip install matplotlib, then run bench/report.py)", flush=True)
+        print("matplotlib is missing: no PNG (pip install matplotlib, then run python -m bench.report)", flush=True)
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Side-by-side benchmark: vLLM's own OpenAI server, then the gateway, then the engine
 with no HTTP, on one machine with the same model, engine settings, adapters and load.
 
-    python bench/run.py                       # `make bench`: the CPU profile (~15 min)
-    python bench/run.py --profile smoke       # 2-3 min, tiny points (a quick check)
-    python bench/run.py --profile gpu --model DIR   # one H200 (see bench/README.md)
+    python -m bench.run                       # `make bench`: the CPU profile (~15 min)
+    python -m bench.run --profile smoke       # 2-3 min, tiny points (a quick check)
+    python -m bench.run --profile gpu --model DIR   # one H200 (see bench/README.md)
 
 Each run writes bench/results/<date>-<machine>/results.{json,md,png} (and server logs in
 logs/, which are not meant to be committed). bench/ talks HTTP only to the servers: it
@@ -30,12 +30,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from client import Job, PromptMaker, drive, run_loop, seed_for, summarize
-from make_adapters import make_adapters
-from report import write_reports
-from servers import (
+from bench.client import Job, PromptMaker, drive, run_loop, seed_for, summarize
+from bench.make_adapters import make_adapters
+from bench.report import write_reports
+from bench.servers import (
     REPO,
     EngineSpec,
     ProcessSampler,
@@ -419,14 +417,14 @@ class Bench:
         log(f"starting the engine without HTTP (bench/ceiling.py, {how})")
         with open(log_path, "wb") as fh:
             proc = subprocess.run(
-                [sys.executable, str(Path(__file__).parent / "ceiling.py"), str(spec_path), str(out_path)],
+                [sys.executable, "-m", "bench.ceiling", str(spec_path), str(out_path)],
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=REPO,
                 timeout=self.args.ceiling_timeout_s,
             )
-        info: dict[str, Any] = {"cmd": f"bench/ceiling.py (vllm {how} in-process, same engine args)"}
+        info: dict[str, Any] = {"cmd": f"python -m bench.ceiling (vllm {how} in-process, same engine args)"}
         self.result["servers"][target] = info
         if out_path.is_file():
             r = json.loads(out_path.read_text())

@@ -1,20 +1,14 @@
 """bench/report.py's arithmetic: the ratio of means, its standard error from the passes, and
-the goal lines that read them (bench/ is not a package, so it is loaded by path)."""
+the goal lines that read them."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
 import pytest
 
-from gateway.settings import PROJECT_ROOT
-
-_spec = importlib.util.spec_from_file_location("bench_report", PROJECT_ROOT / "bench" / "report.py")
-assert _spec and _spec.loader
-report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report)
+from bench import report
 
 
 def _point(target: str, tok_s: float, n: int, mix: str = "base", c: int = 4) -> dict[str, Any]:
