@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import chat_body
 from tests.integration.conftest import USER_KEY, LiveGateway
 
 QUESTION = "What is the capital of France?"
@@ -77,7 +78,7 @@ def test_models_show_kind_digest_rank(gateway: LiveGateway) -> None:
     assert shout["kind"] == "lora" and shout["rank"] == 8 and len(shout["digest"]) == 64 and shout["status"] == "ready"
     assert cards["loud"]["digest"] == shout["digest"] and cards["loud"]["alias_of"] == "shout"
     assert cards["concise"]["kind"] == "preset" and cards["concise"]["digest"] is None
-    r = gateway.client().post("/v1/chat/completions", json={"model": "loud", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = gateway.client().post("/v1/chat/completions", json=chat_body("loud", "hi", max_tokens=2))
     assert r.headers["x-adapter-digest"] == shout["digest"]
 
 
@@ -97,6 +98,6 @@ def test_preset_applies_its_system_prompt(client: openai.OpenAI, base_model: str
     ["../shout", "/etc/passwd", "http://127.0.0.1:1/x", "file:///etc/passwd", "shout/../json", "adapters/shout", "..", "shout\x00"],
 )
 def test_path_like_names_are_404(gateway: LiveGateway, name: str) -> None:
-    r = gateway.client().post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+    r = gateway.client().post("/v1/chat/completions", json=chat_body(name, "hi"))
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"

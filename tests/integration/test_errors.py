@@ -5,29 +5,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.helpers import assert_openai_error, completion_body, still_serves
 from tests.integration.conftest import LiveGateway
 
 
 @pytest.fixture(scope="module")
 def http(gateway: LiveGateway) -> httpx.Client:
     return gateway.client()
-
-
-def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, object]:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if code is not None:
-        assert err["code"] == code
-    return err  # type: ignore[no-any-return]
-
-
-def still_serves(http: httpx.Client, model: str) -> None:
-    r = http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(
@@ -69,7 +53,7 @@ def test_unknown_path_and_wrong_method(http: httpx.Client) -> None:
 
 def test_completion_bad_prompts(http: httpx.Client, base_model: str) -> None:
     for prompt in ("", [], ["a", "b"], [-1], [10**9]):
-        r = http.post("/v1/completions", json={"model": base_model, "prompt": prompt, "max_tokens": 2})
+        r = http.post("/v1/completions", json=completion_body(base_model, prompt, max_tokens=2))
         assert_openai_error(r, 400)
     still_serves(http, base_model)
 

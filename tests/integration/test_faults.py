@@ -15,9 +15,13 @@ import httpx
 import psutil
 import pytest
 
+from tests.helpers import chat_body, eventually, still_serves
 from tests.integration.conftest import SINGLE_KEY, LiveGateway, start_gateway, stop_gateway
 
-LONG = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+def long_story(model: str, **fields: object) -> dict[str, object]:
+    """A request that runs for a long time (1500 tokens, no early stop), unless it is cut."""
+    return chat_body(model, "Write a long story.", **{"max_tokens": 1500, "ignore_eos": True, "temperature": 0, **fields})
 
 
 def admin_status(gw: LiveGateway, field: str) -> int:
@@ -33,47 +37,34 @@ def inflight(gw: LiveGateway) -> int:
     return admin_status(gw, "inflight")
 
 
-def wait_until(check, timeout: float, what: str, detail=lambda: "") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s. {detail()}")
-        time.sleep(0.05)
-
-
-def still_serves(gw: LiveGateway, model: str = "base") -> None:
-    r = gw.client().post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-    assert r.status_code == 200, r.text
-
-
 # -- client disconnects abort the engine request ------------------------------------------
 @pytest.mark.parametrize("n", [1, 3])
 def test_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway, n: int) -> None:
     assert unfinished(gateway) == 0
-    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base", "stream": True, "n": n, "temperature": 0.8}) as r:
+    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=long_story("base", stream=True, n=n, temperature=0.8)) as r:
         content = (line for line in r.iter_lines() if '"delta":{"content"' in line)
         for _ in range(2 * n):
             next(content)
         assert unfinished(gateway) >= 1
     # the connection is closed here, long before 1500 tokens
-    wait_until(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
+    eventually(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
     still_serves(gateway)
 
 
 def test_house_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
     house = {"X-Stream-Format": "house"}
-    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base"}, headers=house) as r:
+    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=long_story("base"), headers=house) as r:
         assert r.status_code == 200, r.read()
         data = (line for line in r.iter_lines() if line.startswith("data: {"))  # keep a reference:
         next(data)  # a dropped iterator closes the response, which is a disconnect
         assert unfinished(gateway) == 1
-    wait_until(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
+    eventually(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
 
 
 def test_non_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
     with pytest.raises(httpx.ReadTimeout):
-        gateway.client().post("/v1/chat/completions", json={**LONG, "model": "shout", "n": 2, "temperature": 0.8}, timeout=httpx.Timeout(60, read=1.5))
-    wait_until(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
+        gateway.client().post("/v1/chat/completions", json=long_story("shout", n=2, temperature=0.8), timeout=httpx.Timeout(60, read=1.5))
+    eventually(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
     still_serves(gateway, "shout")
 
 
@@ -81,17 +72,17 @@ def test_non_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> Non
 def test_per_key_concurrency_limit_is_429_with_retry_after(gateway: LiveGateway) -> None:
     headers = {"Authorization": f"Bearer {SINGLE_KEY}"}
     with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as http:
-        with http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base", "stream": True}) as r:
+        with http.stream("POST", "/v1/chat/completions", json=long_story("base", stream=True)) as r:
             assert r.status_code == 200, r.read()
             lines = r.iter_lines()
             next(lines)
-            second = http.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            second = http.post("/v1/chat/completions", json=chat_body("base", "hi", max_tokens=1))
             assert second.status_code == 429
             assert second.headers["retry-after"] == "1"
             assert second.json()["error"]["code"] == "rate_limit_exceeded"
         # The stream is closed; the key's slot frees once the gateway has seen the disconnect.
-        wait_until(lambda: inflight(gateway) == 0, 5, "the key's slot released after the disconnect")
-        ok = http.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        eventually(lambda: inflight(gateway) == 0, 5, "the key's slot released after the disconnect")
+        ok = http.post("/v1/chat/completions", json=chat_body("base", "hi", max_tokens=1))
         assert ok.status_code == 200
 
 
@@ -124,7 +115,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
 
 
 async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -> None:
-    body = {"model": "base", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40, "ignore_eos": True}
+    body = chat_body("base", "Tell me a story.", max_tokens=40, ignore_eos=True)
     outcomes: list[tuple[int, float, dict[str, object]]] = []
 
     async def one(http: httpx.AsyncClient) -> None:
@@ -147,14 +138,19 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
 
 def test_prompts_are_logged_when_enabled(small: LiveGateway) -> None:
     secret = f"SECRET-{time.time_ns()}"
-    chat = {"model": "base", "messages": [{"role": "user", "content": f"Remember {secret}"}], "max_tokens": 2}
+    chat = chat_body("base", f"Remember {secret}", max_tokens=2)
     assert small.client().post("/v1/chat/completions", json=chat).status_code == 200
     house = {"question": f"House {secret}", "max_tokens": 2}
     assert small.client().post("/chat", json=house).status_code == 200
-    deadline = time.monotonic() + 5
-    while len(lines := [json.loads(x) for x in small.log.read_text(errors="replace").splitlines() if secret in x]) < 2:
-        assert time.monotonic() < deadline, f"prompts not in the access log: {lines}"
-        time.sleep(0.1)
+
+    def logged() -> list[dict[str, object]]:
+        return [json.loads(x) for x in small.log.read_text(errors="replace").splitlines() if secret in x]
+
+    def both_logged() -> list[dict[str, object]]:
+        found = logged()
+        return found if len(found) >= 2 else []
+
+    lines = eventually(both_logged, 5, "prompts in the access log", lambda: f"found: {logged()}", interval=0.1)
     assert lines[0]["prompt"] == [{"role": "user", "content": f"Remember {secret}"}]
     assert lines[1]["prompt"] == f"House {secret}"
 
@@ -176,7 +172,7 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
     seen: list[int] = []
 
     def stream() -> None:
-        body = {"model": "shout", "messages": [{"role": "user", "content": "Story?"}], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        body = chat_body("shout", "Story?", max_tokens=100, ignore_eos=True, stream=True)
         try:
             with small.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
                 results.append(f"{r.status_code} " + r.read().decode())
@@ -193,7 +189,7 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
     for t in threads:
         t.start()
     detail = lambda: f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"  # noqa: E731
-    wait_until(three_in_flight, 30, "three requests in flight", detail)
+    eventually(three_in_flight, 30, "three requests in flight", detail)
     small.process.send_signal(signal.SIGTERM)
 
     def ready_status() -> int:
@@ -204,9 +200,9 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
                 t.join(20)
             raise AssertionError(f"/ready: {exc!r}; gateway exit code {small.process.poll()}; {detail()}") from exc
 
-    wait_until(lambda: ready_status() == 503, 3, "/ready turns 503 at once", detail)
+    eventually(lambda: ready_status() == 503, 3, "/ready turns 503 at once", detail)
     assert inflight(small) >= 1, "the streams were still running when /ready turned 503"
-    refused = small.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+    refused = small.client().post("/v1/chat/completions", json=chat_body("base", "hi"))
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
     for t in threads:
         t.join(120)
@@ -232,10 +228,10 @@ def test_health_answers_while_the_engine_starts_and_sigterm_stops_the_start(
                 assert gw.process.poll() is None, gw.log_tail()
                 return 0
 
-        wait_until(lambda: health() == 200, 120, "/health answers while the engine starts", gw.log_tail)
+        eventually(lambda: health() == 200, 120, "/health answers while the engine starts", gw.log_tail)
         ready = httpx.get(gw.url + "/ready", timeout=5)
         assert (ready.status_code, ready.json()) == (503, {"status": "starting"})
-        r = gw.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+        r = gw.client().post("/v1/chat/completions", json=chat_body("base", "hi"))
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"]
         gw.process.send_signal(signal.SIGTERM)
         assert gw.process.wait(300) == 0, gw.log_tail()
@@ -258,8 +254,8 @@ def test_engine_death_fails_streams_reports_503_and_exits(tmp_path_factory: pyte
     gw = start_gateway(tmp_path_factory.mktemp("doomed"))
     try:
         with gw.client() as http:
-            openai_stream = http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base", "stream": True})
-            house_stream = http.stream("POST", "/v1/chat/completions", json={**LONG, "model": "base"}, headers={"X-Stream-Format": "house"})
+            openai_stream = http.stream("POST", "/v1/chat/completions", json=long_story("base", stream=True))
+            house_stream = http.stream("POST", "/v1/chat/completions", json=long_story("base"), headers={"X-Stream-Format": "house"})
             with openai_stream as r1, house_stream as r2:
                 lines1, lines2 = r1.iter_lines(), r2.iter_lines()
                 next(lines1), next(lines2)
@@ -272,7 +268,7 @@ def test_engine_death_fails_streams_reports_503_and_exits(tmp_path_factory: pyte
         health = [httpx.get(gw.url + "/health").status_code for _ in range(3)]
         assert health[0] == 503
         assert httpx.get(gw.url + "/ready").status_code == 503
-        r = gw.client().post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+        r = gw.client().post("/v1/chat/completions", json=chat_body("base", "hi"))
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert gw.process.wait(60) == 3  # non-zero, so a supervisor restarts it
     finally:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 
+from tests.helpers import chat_body, eventually
 from tests.integration.conftest import LiveGateway
 
 
@@ -27,7 +27,7 @@ def value(text: str, name: str, **labels: str) -> float:
 
 
 def chat(gw: LiveGateway, model: str, stream: bool = False, **extra: object) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": stream, **extra}
+    body = chat_body(model, max_tokens=4, stream=stream, **extra)
     with gw.client() as http:
         http.post("/v1/chat/completions", json=body).read()
 
@@ -71,10 +71,9 @@ def access_lines(gw: LiveGateway) -> list[dict[str, object]]:
 
 def access_line(gw: LiveGateway, request_id: str) -> dict[str, object]:
     """The one access-log line of ``request_id`` (it is written as the response ends)."""
-    deadline = time.monotonic() + 5
-    while not (mine := [line for line in access_lines(gw) if line["request_id"] == request_id]):
-        assert time.monotonic() < deadline, "no access-log line for the request"
-        time.sleep(0.1)
+    mine = eventually(
+        lambda: [line for line in access_lines(gw) if line["request_id"] == request_id], 5, "an access-log line for the request", interval=0.1
+    )
     assert len(mine) == 1
     return mine[0]
 
@@ -82,7 +81,7 @@ def access_line(gw: LiveGateway, request_id: str) -> dict[str, object]:
 def test_one_json_log_line_per_request_without_prompt_text(gateway: LiveGateway) -> None:
     request_id = f"test-{uuid.uuid4().hex}"
     secret = f"SECRET-{uuid.uuid4().hex}"
-    body = {"model": "json", "messages": [{"role": "user", "content": f"Remember {secret}"}], "max_tokens": 6}
+    body = chat_body("json", f"Remember {secret}", max_tokens=6)
     r = gateway.client().post("/v1/chat/completions", json=body, headers={"x-request-id": request_id})
     assert r.headers["x-request-id"] == request_id
     line = access_line(gateway, request_id)
@@ -97,7 +96,7 @@ def test_one_json_log_line_per_request_without_prompt_text(gateway: LiveGateway)
 
 def test_a_disconnect_is_logged(gateway: LiveGateway) -> None:
     request_id = f"test-{uuid.uuid4().hex}"
-    body = {"model": "base", "messages": [{"role": "user", "content": "Story?"}], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    body = chat_body("base", "Story?", max_tokens=500, ignore_eos=True, stream=True)
     with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r:
         lines = r.iter_lines()
         next(lines)
@@ -109,7 +108,7 @@ def test_a_stream_read_to_the_end_is_not_logged_as_a_disconnect(gateway: LiveGat
     # The server sees the connection's end as soon as its last byte is out (uvicorn reports
     # http.disconnect once a response is complete); that is not a client leaving early.
     request_id = f"test-{uuid.uuid4().hex}"
-    body = {"model": "base", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True, "stream": True}
+    body = chat_body("base", max_tokens=4, ignore_eos=True, stream=True)
     with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
