@@ -3,6 +3,10 @@
 The gateway runs as a subprocess (``python -m gateway serve``) on a free port with its
 own copy of the catalog and adapters, so tests may edit both (hot swap) and may signal
 or kill it. Each test talks to it over HTTP only: the OpenAI SDK and httpx.
+
+Tests that start other processes live here too and do not use the ``gateway`` fixture
+(so they start no engine): ``test_server`` (uvicorn with a small app), ``test_cli``
+(``python -m gateway``), ``test_deploy`` (docker-compose).
 """
 
 from __future__ import annotations
@@ -10,16 +14,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.helpers import eventually, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_KEY = "sk-test-user-0001"
@@ -35,12 +39,6 @@ auth:
     - {{name: single, key: {SINGLE_KEY}, max_concurrency: 1}}
 """
 START_TIMEOUT_S = 900  # first run prepares the model (~80 s) and starts the engine (~75 s on 2 cores)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -105,19 +103,19 @@ def start_gateway(
 
 
 def wait_ready(gw: LiveGateway) -> None:
-    process = gw.process
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"gateway exited with {process.returncode}:\n{gw.log_tail()}")
+    def ready() -> bool:
+        if gw.process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {gw.process.returncode}:\n{gw.log_tail()}")
         try:
-            if httpx.get(gw.url + "/ready", timeout=2).status_code == 200:
-                return
+            return httpx.get(gw.url + "/ready", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop_gateway(gw)
-    raise RuntimeError(f"gateway not ready after {START_TIMEOUT_S} s:\n{gw.log_tail()}")
+            return False
+
+    try:
+        eventually(ready, START_TIMEOUT_S, "gateway ready", lambda: "\n" + gw.log_tail(), interval=0.5)
+    except AssertionError as exc:
+        stop_gateway(gw)
+        raise RuntimeError(str(exc)) from None
 
 
 def stop_gateway(gw: LiveGateway, timeout: float = 60) -> int:
@@ -144,6 +142,9 @@ def base_model(gateway: LiveGateway) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration/ is marked ``integration`` (it starts processes);
+    ``pytest -m "not integration"`` runs the rest."""
+    here = Path(__file__).parent
     for item in items:
-        if "integration" in str(item.fspath):
+        if item.path.is_relative_to(here):
             item.add_marker(pytest.mark.integration)

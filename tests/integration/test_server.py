@@ -5,7 +5,6 @@ streams finish; the process exits when they have. A second signal stops at once.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.helpers import eventually, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,23 +61,23 @@ DrainingServer(config, gw).run()
 
 class Server:
     def __init__(self, tmp_path: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         script = tmp_path / "app.py"
         script.write_text(APP)
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen([sys.executable, str(script), str(port)], cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
         self.streams: list[str] = []
         self.threads: list[threading.Thread] = []
-        deadline = time.monotonic() + 30
-        while True:
-            assert self.process.poll() is None and time.monotonic() < deadline, "the app did not start"
+
+        def answers() -> bool:
+            assert self.process.poll() is None, "the app exited"
             try:
                 httpx.get(self.url + "/ready")
-                return
+                return True
             except httpx.TransportError:
-                time.sleep(0.05)
+                return False
+
+        eventually(answers, 30, "the app answers")
 
     def open_stream(self) -> None:
         started = threading.Event()
@@ -141,10 +142,7 @@ def test_sigterm_with_nothing_in_flight_exits_at_once(server: Server) -> None:
 def test_a_second_signal_stops_without_waiting_for_streams(server: Server) -> None:
     server.open_stream()
     server.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while server.ready()[0] != 503:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    eventually(lambda: server.ready()[0] == 503, 5, "/ready turns 503", interval=0.02)
     server.process.send_signal(signal.SIGINT)
     server.process.wait(10)  # uvicorn's own shutdown (2 s for open streams), not the 60 s drain
     for t in server.threads:
