@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,6 +62,11 @@ class LiveGateway:
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.admin_headers, timeout=60)
+
+    def status(self) -> dict[str, Any]:
+        """``GET /admin/status``: in flight, draining, the engine's unfinished requests."""
+        with self.admin() as admin:
+            return admin.get("/admin/status").json()  # type: ignore[no-any-return]
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -24,17 +24,12 @@ def long_story(model: str, **fields: object) -> dict[str, object]:
     return chat_body(model, "Write a long story.", **{"max_tokens": 1500, "ignore_eos": True, "temperature": 0, **fields})
 
 
-def admin_status(gw: LiveGateway, field: str) -> int:
-    with gw.admin() as admin:
-        return int(admin.get("/admin/status").json()[field])
-
-
 def unfinished(gw: LiveGateway) -> int:
-    return admin_status(gw, "engine_unfinished_requests")
+    return int(gw.status()["engine_unfinished_requests"])
 
 
 def inflight(gw: LiveGateway) -> int:
-    return admin_status(gw, "inflight")
+    return int(gw.status()["inflight"])
 
 
 # -- client disconnects abort the engine request ------------------------------------------
