@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit test-integration bench clean
+.PHONY: install serve check test test-unit test-integration bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,6 +17,12 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m gateway serve
+
+# Lint, format and types: what CI runs before the tests.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: $(STAMP)
 	$(PY) -m gateway prepare-model

@@ -13,10 +13,7 @@ so path-like names (``../x``, ``/etc/passwd``, URLs) cannot reach a file.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,8 +23,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.engine import LoraSpec
-from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
+from gateway.adapters_check import adapter_digest, check_adapter, one_line, safe_adapter_path
+from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
+from gateway.types import LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +103,11 @@ class RoutingTable:
     def all_routes(self) -> list[Route]:
         return [self.base, *self.routes.values()]
 
+    def reject(self, failed: dict[str, str]) -> RoutingTable:
+        """This table less the routes in ``failed`` (name -> why), which join ``errors``."""
+        routes = {name: r for name, r in self.routes.items() if name not in failed}
+        return RoutingTable(self.base, routes, {**self.errors, **failed}, loaded_at=self.loaded_at)
+
     def resolve(self, model: str | None, task: str | None = None) -> Route:
         """Pick the route for a request. Unknown names raise 404; never a fallback."""
         by_model = None
@@ -117,9 +120,7 @@ class RoutingTable:
             if by_task is None:
                 raise ModelNotFound(task, param="task")
             if by_model is not None and by_model is not self.base and by_model is not by_task:
-                raise InvalidRequest(
-                    f"model '{model}' and task '{task}' name different routes", param="task"
-                )
+                raise InvalidRequest(f"model '{model}' and task '{task}' name different routes", param="task")
             return by_task
         return by_model if by_model is not None else self.base
 
@@ -138,7 +139,9 @@ def load_table(
     try:
         text = catalog_path.read_text()
         if not text.strip():  # an editor's save truncates first: never read that as "no routes"
-            raise ConfigError(f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)")
+            raise ConfigError(
+                f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)"
+            )
         spec = CatalogFile.model_validate(yaml.safe_load(text) or {})
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
@@ -194,74 +197,12 @@ def _build_route(
     return Route(kind="lora", lora=lora, digest=digest, rank=int(config["r"]), **common)
 
 
-def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
-    """Resolve an adapter path, refusing anything that leaves the adapters root."""
-    if not raw or raw.startswith(("/", "~", "\\")) or "://" in raw or ".." in Path(raw).parts:
-        raise ConfigError(f"adapter path must be relative and inside the adapters root: {raw!r}")
-    root = adapters_root.resolve()
-    path = (root / raw).resolve()  # follows symlinks, so a link out of the root is caught
-    if not path.is_relative_to(root):
-        raise ConfigError(f"adapter path escapes the adapters root: {raw!r}")
-    if not path.is_dir():
-        raise ConfigError(f"adapter directory not found: {raw!r}")
-    return path
-
-
-def check_adapter(path: Path, max_lora_rank: int, base_name: str, model_modules: set[str] | None) -> dict[str, Any]:
-    for required in ("adapter_config.json", "adapter_model.safetensors"):
-        if not (path / required).is_file():
-            raise ConfigError(f"{path.name}: missing {required}")
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-        rank = int(config["r"])
-        targets = config.get("target_modules") or []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path.name}: adapter_config.json is invalid: {_one_line(exc)}") from None
-    base = str(config.get("base_model_name_or_path") or "")
-    if base and Path(base).name != base_name:
-        raise ConfigError(f"{path.name}: trained for base model '{base}', this engine serves '{base_name}'")
-    if rank > max_lora_rank:
-        raise ConfigError(f"{path.name}: rank {rank} is above engine.max_lora_rank={max_lora_rank}")
-    if isinstance(targets, str):
-        targets = [targets]
-    if model_modules is not None:
-        missing = sorted(set(targets) - model_modules)
-        if missing:
-            raise ConfigError(f"{path.name}: target modules not in the model: {', '.join(missing)}")
-    return config
-
-
-def adapter_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        h.update(name.encode())
-        h.update((path / name).read_bytes())
-    return h.hexdigest()
-
-
-def model_module_names(model_dir: str | Path) -> set[str] | None:
-    """Leaf module names that carry weights, read from safetensors headers (no tensors
-    loaded). ``None`` when the model has no weight files (dummy weights)."""
-    names: set[str] = set()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    for file in files:
-        with file.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for key in header:
-            parts = key.split(".")
-            if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
-                names.add(parts[-2])
-    return names or None
-
-
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         return f"{loc}: {err['msg']}" if loc else err["msg"]
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return one_line(exc)
 
 
 class LoraIds:
@@ -300,9 +241,11 @@ class Catalog:
         self,
         build: Callable[[LoraIds], RoutingTable],
         remove_lora: Callable[[int], Awaitable[None]] | None = None,
+        add_lora: Callable[[LoraSpec], Awaitable[None]] | None = None,
     ) -> None:
         self._build = build
         self._remove_lora = remove_lora
+        self._add_lora = add_lora
         self._ids = LoraIds()
         self.table = build(self._ids)
         self.last_error: str | None = None
@@ -310,9 +253,6 @@ class Catalog:
         self._in_use: dict[int, int] = {}
         self._retired: set[int] = set()
         self._pending_removal: list[int] = []
-
-    def resolve(self, model: str | None, task: str | None = None) -> Route:
-        return self.table.resolve(model, task)
 
     def acquire(
         self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
@@ -358,6 +298,28 @@ class Catalog:
         self.reloads += 1
         log.info("catalog reloaded: %d routes, %d rejected", len(table.routes), len(table.errors))
         return True
+
+    async def load_adapters(self) -> dict[str, str]:
+        """The one adapter policy, at start and after every reload: each LoRA route's
+        weights go into the engine now, so a broken adapter shows at registration and not
+        at its first request. A route whose weights the engine refuses is rejected like
+        any invalid entry (``table.errors``, ``last_error``); the other routes keep serving.
+        Returns the rejected routes (name -> why)."""
+        failed: dict[str, str] = {}
+        if self._add_lora is None:
+            return failed
+        for route in self.table.routes.values():
+            if route.lora is None:
+                continue
+            try:
+                await self._add_lora(route.lora)
+            except GatewayError as exc:
+                failed[route.name] = f"the engine could not load the adapter: {exc.message}"
+                log.error("adapter %s rejected: %s", route.name, failed[route.name])
+        if failed:
+            self.table = self.table.reject(failed)
+            self.last_error = "; ".join(f"{k}: {v}" for k, v in self.table.errors.items())
+        return failed
 
     async def remove_drained(self) -> list[int]:
         """Remove LoRA versions that left the table and have no running request."""

@@ -88,7 +88,7 @@ def _convert(work: Path, gguf_name: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf_name, dtype=torch.float32)
     # The weights are already dequantised to float32; what remains of GGUF is bookkeeping
     # that makes save_pretrained refuse ("not serializable") and vLLM expect a GGUF file.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as a module
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(work)

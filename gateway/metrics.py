@@ -77,30 +77,50 @@ class GatewayMetrics:
         # the default registry and are rendered after ours.
         self.registry = registry = registry or CollectorRegistry()
         self.requests = Counter(
-            "gateway_requests", "Inference requests by route, status and streaming",
-            ["route", "status", "stream"], registry=registry,
+            "gateway_requests",
+            "Inference requests by route, status and streaming",
+            ["route", "status", "stream"],
+            registry=registry,
         )
-        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens by route", ["route"], registry=registry)
+        self.prompt_tokens = Counter(
+            "gateway_prompt_tokens", "Prompt tokens by route", ["route"], registry=registry
+        )
         self.completion_tokens = Counter(
             "gateway_completion_tokens", "Completion tokens by route", ["route"], registry=registry
         )
         self.ttft = Histogram(
-            "gateway_time_to_first_token_seconds", "Time to first token", ["route"], buckets=_LATENCY, registry=registry
-        )
-        self.itl = Histogram(
-            "gateway_inter_token_latency_seconds", "Gap between streamed engine steps", ["route"],
-            buckets=_GAP, registry=registry,
-        )
-        self.e2e = Histogram(
-            "gateway_request_duration_seconds", "End-to-end request latency", ["route"], buckets=_LATENCY,
+            "gateway_time_to_first_token_seconds",
+            "Time to first token",
+            ["route"],
+            buckets=_LATENCY,
             registry=registry,
         )
-        self.inflight = Gauge("gateway_inflight_requests", "Requests admitted and not finished", registry=registry)
+        self.itl = Histogram(
+            "gateway_inter_token_latency_seconds",
+            "Gap between streamed engine steps",
+            ["route"],
+            buckets=_GAP,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "gateway_request_duration_seconds",
+            "End-to-end request latency",
+            ["route"],
+            buckets=_LATENCY,
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "gateway_inflight_requests", "Requests admitted and not finished", registry=registry
+        )
         self.queued = Gauge(
-            "gateway_engine_queued_requests", "Requests the engine holds but has not finished", registry=registry
+            "gateway_engine_queued_requests",
+            "Requests the engine holds but has not finished",
+            registry=registry,
         )
         self.rejected = Counter("gateway_admission_rejected", "Requests refused with 429", registry=registry)
-        self.reloads = Counter("gateway_adapter_reloads", "Catalog reloads by result", ["result"], registry=registry)
+        self.reloads = Counter(
+            "gateway_adapter_reloads", "Catalog reloads by result", ["result"], registry=registry
+        )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
         self._routes: frozenset[str] = frozenset()
 

@@ -56,7 +56,8 @@ async def send_error(send: Send, exc: GatewayError) -> None:
 def _header(scope: Scope, name: bytes) -> str:
     for key, value in scope["headers"]:
         if key == name:
-            return value.decode("latin-1")
+            decoded: str = value.decode("latin-1")
+            return decoded
     return ""
 
 
@@ -131,7 +132,9 @@ class HeaderLimitMiddleware:
             size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
             size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
             if size > self.max_bytes:
-                await send_error(send, HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes"))
+                await send_error(
+                    send, HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes")
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -156,7 +159,9 @@ class AuthMiddleware:
         self._keys = [
             (
                 bytes.fromhex(k.sha256 or ""),
-                Principal(k.name, frozenset(k.routes) if k.routes is not None else None, k.admin, k.max_concurrency),
+                Principal(
+                    k.name, frozenset(k.routes) if k.routes is not None else None, k.admin, k.max_concurrency
+                ),
             )
             for k in keys
         ]
@@ -188,7 +193,9 @@ class AuthMiddleware:
             await send_error(send, error)
             return
         if _is_admin_path(path) and not principal.admin:
-            await send_error(send, PermissionDenied("this key may not use admin endpoints", code="admin_only"))
+            await send_error(
+                send, PermissionDenied("this key may not use admin endpoints", code="admin_only")
+            )
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
@@ -212,17 +219,19 @@ class Admission:
 
     def admit(self, principal: Principal | None) -> GatewayError | None:
         if self.draining:
-            return EngineUnavailable("the gateway is shutting down", headers={"Retry-After": str(self.retry_after_s)})
+            return EngineUnavailable(
+                "the gateway is shutting down", headers={"Retry-After": str(self.retry_after_s)}
+            )
         retry = {"Retry-After": str(self.retry_after_s)}
         if self.inflight >= self.max_inflight:
             self.rejected += 1
-            return RateLimited(f"the gateway is at capacity ({self.max_inflight} requests in flight)", headers=retry)
-        if principal is not None and principal.max_concurrency is not None:
-            if self.per_key.get(principal.name, 0) >= principal.max_concurrency:
-                self.rejected += 1
-                return RateLimited(
-                    f"this key has {principal.max_concurrency} requests in flight already", headers=retry
-                )
+            return RateLimited(
+                f"the gateway is at capacity ({self.max_inflight} requests in flight)", headers=retry
+            )
+        limit = principal.max_concurrency if principal is not None else None
+        if principal is not None and limit is not None and self.per_key.get(principal.name, 0) >= limit:
+            self.rejected += 1
+            return RateLimited(f"this key has {limit} requests in flight already", headers=retry)
         self.inflight += 1
         if principal is not None:
             self.per_key[principal.name] = self.per_key.get(principal.name, 0) + 1

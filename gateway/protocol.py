@@ -30,7 +30,9 @@ class _Request(BaseModel):
                 raise ValueError(f"'{name}' is not supported by this gateway")
         fmt = (self.model_extra or {}).get("response_format")
         if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            raise ValueError("response_format other than 'text' is not supported; route to the 'json' adapter")
+            raise ValueError(
+                "response_format other than 'text' is not supported; route to the 'json' adapter"
+            )
         return self
 
 
@@ -124,7 +126,7 @@ class CompletionRequest(SamplingFields):
     def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
             raise ValueError("only one prompt per request is supported")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and min(prompt) < 0:  # type: ignore[type-var]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and min(prompt) < 0:
             raise ValueError("token ids must be non-negative")
         return prompt
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.catalog import Lease, Route
-from gateway.engine import EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
 from gateway.settings import LimitSettings
 from gateway.tokenizing import PromptTokenizer
+from gateway.types import EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
@@ -147,7 +147,7 @@ class ChatService:
 
     async def house(self, request: HouseChatRequest, lease: Lease) -> Generation:
         chat = ChatCompletionRequest(
-            messages=[{"role": "user", "content": request.question}],  # type: ignore[list-item]
+            messages=[{"role": "user", "content": request.question}],
             max_tokens=request.max_tokens,
             temperature=request.temperature,
         )
@@ -222,7 +222,9 @@ class ChatService:
             min_tokens=min(request.min_tokens, max_tokens),
         )
         if sampling.n > 1 and sampling.temperature == 0:
-            raise InvalidRequest("n > 1 needs a temperature above 0 (greedy choices are identical)", param="n")
+            raise InvalidRequest(
+                "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
+            )
         params = self._engine.prepare(sampling)
         return Generation(self._engine, lease, prompt_ids, sampling, params, id_prefix)
 

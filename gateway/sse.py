@@ -18,10 +18,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from gateway.engine import Chunk, StepOutput, TokenLogprob
 from gateway.errors import EngineFailed, GatewayError
 from gateway.protocol import usage_dict
 from gateway.service import Collected, Generation
+from gateway.types import Chunk, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 _dumps = json.dumps
@@ -51,7 +51,9 @@ class _OpenAIEncoder:
         head = {"id": gen.id, "object": self.object_name, "created": gen.created, "model": gen.route.name}
         self._head = head
         # '{"id":..,"model":..,"choices":[{"index":' -- everything before the choice index
-        self._prefix = (b"data: " + _dumps(head, separators=(",", ":"))[:-1].encode() + b',"choices":[{"index":')
+        self._prefix = (
+            b"data: " + _dumps(head, separators=(",", ":"))[:-1].encode() + b',"choices":[{"index":'
+        )
         self._suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
     def error(self, exc: GatewayError) -> bytes:
@@ -60,7 +62,9 @@ class _OpenAIEncoder:
     def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         if not self.include_usage:
             return DONE
-        return _data({**self._head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)}) + DONE
+        return (
+            _data({**self._head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)}) + DONE
+        )
 
 
 class OpenAIChatEncoder(_OpenAIEncoder):
@@ -83,8 +87,16 @@ class OpenAIChatEncoder(_OpenAIEncoder):
         logprobs = _dumps(chat_logprobs(c.logprobs)).encode() if c.logprobs is not None else b"null"
         finish = _dumps(c.finish_reason).encode()
         return (
-            self._prefix + str(c.index).encode() + b',"delta":' + delta + b',"logprobs":' + logprobs
-            + b',"finish_reason":' + finish + b"}]" + self._suffix
+            self._prefix
+            + str(c.index).encode()
+            + b',"delta":'
+            + delta
+            + b',"logprobs":'
+            + logprobs
+            + b',"finish_reason":'
+            + finish
+            + b"}]"
+            + self._suffix
         )
 
 
@@ -100,16 +112,23 @@ class OpenAICompletionEncoder(_OpenAIEncoder):
     def _chunk(self, c: Chunk) -> bytes:
         logprobs = _dumps(completion_logprobs(c.logprobs)).encode() if c.logprobs is not None else b"null"
         return (
-            self._prefix + str(c.index).encode() + b',"text":' + _dumps(c.text).encode()
-            + b',"logprobs":' + logprobs + b',"finish_reason":' + _dumps(c.finish_reason).encode()
-            + b"}]" + self._suffix
+            self._prefix
+            + str(c.index).encode()
+            + b',"text":'
+            + _dumps(c.text).encode()
+            + b',"logprobs":'
+            + logprobs
+            + b',"finish_reason":'
+            + _dumps(c.finish_reason).encode()
+            + b"}]"
+            + self._suffix
         )
 
 
 class HouseEncoder:
     """The in-house SSE format, byte-compatible with the existing clients."""
 
-    def __init__(self, gen: Generation, include_usage: bool = False) -> None:
+    def __init__(self, gen: Generation) -> None:
         self.gen = gen
 
     def start(self) -> bytes:

@@ -15,6 +15,7 @@ each pool thread grew a malloc arena of its own (+876 MB RSS at 16 streams, meas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -98,7 +99,7 @@ class PromptTokenizer:
                     except Exception as exc:
                         _settle(job, None, exc)
                 continue
-            for (job, _), one in zip(items, ids):
+            for (job, _), one in zip(items, ids, strict=True):
                 _settle(job, one, None)
 
 
@@ -111,7 +112,5 @@ def _settle(job: _Job, result: list[int] | None, exc: BaseException | None) -> N
         else:
             job.future.set_result(result)  # type: ignore[arg-type]
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is waiting
         job.loop.call_soon_threadsafe(done)
-    except RuntimeError:  # the loop has closed (shutdown): nobody is waiting
-        pass

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table, safe_adapter_path
+from gateway.adapters_check import safe_adapter_path
+from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
 
 MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
@@ -183,15 +184,15 @@ def live_catalog(tmp_path: Path, root: Path, removed: list[int]) -> tuple[Catalo
 async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, root: Path) -> None:
     removed: list[int] = []
     catalog, _ = live_catalog(tmp_path, root, removed)
-    old = catalog.resolve("shout").lora
-    json_before = catalog.resolve("json").lora
+    old = catalog.table.resolve("shout").lora
+    json_before = catalog.table.resolve("json").lora
     assert old is not None
     lease = catalog.acquire("shout")
     (root / "shout" / "adapter_model.safetensors").write_bytes(b"new weights")
     assert catalog.reload()
-    new = catalog.resolve("shout").lora
+    new = catalog.table.resolve("shout").lora
     assert new is not None and new.lora_id != old.lora_id and new.name != old.name
-    assert catalog.resolve("json").lora == json_before  # untouched adapter keeps its id
+    assert catalog.table.resolve("json").lora == json_before  # untouched adapter keeps its id
     assert await catalog.remove_drained() == []  # still running on the old version
     assert lease.route.lora == old  # the running request keeps its version
     lease.release()
@@ -203,19 +204,19 @@ async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, roo
 
 async def test_unchanged_files_keep_their_id(tmp_path: Path, root: Path) -> None:
     catalog, _ = live_catalog(tmp_path, root, [])
-    before = catalog.resolve("json").lora
+    before = catalog.table.resolve("json").lora
     assert catalog.reload()
-    assert catalog.resolve("json").lora == before
+    assert catalog.table.resolve("json").lora == before
 
 
 async def test_removed_route_leaves_the_engine_when_idle(tmp_path: Path, root: Path) -> None:
     removed: list[int] = []
     catalog, path = live_catalog(tmp_path, root, removed)
-    json_id = catalog.resolve("json").lora.lora_id  # type: ignore[union-attr]
+    json_id = catalog.table.resolve("json").lora.lora_id  # type: ignore[union-attr]
     path.write_text(CATALOG.replace("  - name: json\n    adapter: json\n    tasks: [extract]\n", ""))
     assert catalog.reload()
     with pytest.raises(ModelNotFound):
-        catalog.resolve("json")
+        catalog.table.resolve("json")
     assert await catalog.remove_drained() == [json_id]
 
 
@@ -226,7 +227,7 @@ async def test_broken_reload_keeps_the_last_good_table(tmp_path: Path, root: Pat
     assert not catalog.reload()
     assert catalog.table is good
     assert catalog.last_error and "adapters.yaml" in catalog.last_error
-    assert catalog.resolve("loud").name == "shout"
+    assert catalog.table.resolve("loud").name == "shout"
 
 
 async def test_a_truncated_catalog_keeps_the_last_good_table(tmp_path: Path, root: Path) -> None:
@@ -238,14 +239,14 @@ async def test_a_truncated_catalog_keeps_the_last_good_table(tmp_path: Path, roo
     assert catalog.table is good and "empty" in (catalog.last_error or "")
     path.write_text("routes: [oops\n")  # then a broken edit: still the table before the truncation
     assert not catalog.reload()
-    assert catalog.resolve("loud").name == "shout"
+    assert catalog.table.resolve("loud").name == "shout"
     path.write_text(CATALOG)
     assert catalog.reload() and catalog.last_error is None
 
 
 async def test_the_watcher_waits_for_files_to_settle() -> None:
     """A change seen mid-save is read only once the files stop changing (or after max_wait)."""
-    from gateway.app import settled
+    from gateway.watcher import settled
 
     states = iter(["half", "whole", "whole", "whole"])
     assert await settled(lambda: next(states), "empty", quiet=0.001) == "whole"

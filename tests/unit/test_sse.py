@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gateway.catalog import Catalog, LoraIds, Route, RoutingTable
-from gateway.engine import Chunk, SamplingSpec, StepOutput, TokenLogprob
+from gateway.types import Chunk, SamplingSpec, StepOutput, TokenLogprob
 from gateway.errors import EngineUnavailable
 from gateway.service import Generation
 from gateway.sse import (

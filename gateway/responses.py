@@ -1,0 +1,135 @@
+"""Transport helpers for the handlers: bodies in, responses and errors out.
+
+- ``read_json``: a bounded body, parsed and validated into a request model (400/413).
+- ``SSEResponse``: a stream that stops the generation as soon as the client leaves.
+- ``collect_unless_gone``: a whole response, aborted if the client leaves first.
+- ``render_error`` / ``render_http_error``: every error as OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.metrics import RequestRecord
+from gateway.service import Collected, Generation
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        raise InvalidRequest("request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        message = err["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that always watches for the client leaving, whatever the ASGI version,
+    so an abandoned request stops in the engine at once rather than at its next token."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], headers: dict[str, str], record: RequestRecord | None
+    ) -> None:
+        self.record = record
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            # uvicorn answers http.disconnect as soon as a response is complete, so both
+            # can be done at once: only a stream cut short (or failing to send) means that
+            # the client left.
+            left = stream not in done or (gone in done and stream.exception() is not None)
+            if left and self.record is not None:
+                self.record.disconnected = True
+        finally:
+            for task in (stream, gone):
+                task.cancel()
+            with suppress(BaseException):
+                await stream
+            with suppress(BaseException):
+                await gone
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with suppress(BaseException):
+                    await aclose()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect_unless_gone(request: Request, gen: Generation) -> Collected | None:
+    """Collect a whole response; None (and aborted in the engine) if the client leaves first."""
+    work = asyncio.ensure_future(gen.collect())
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work not in done:
+        with suppress(BaseException):
+            await work
+        return None
+    return work.result()
+
+
+def route_headers(gen: Generation) -> dict[str, str]:
+    headers = {"x-adapter": gen.route.name}
+    if gen.route.digest:
+        headers["x-adapter-digest"] = gen.route.digest
+    return headers
+
+
+async def render_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return JSONResponse(exc.to_dict(), exc.status_code, headers=exc.headers)
+
+
+async def render_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err: GatewayError = NotFound(f"no route for {request.method} {request.scope.get('path', '')[:200]}")
+    elif exc.status_code == 405:
+        err = MethodNotAllowed(f"method {request.method} is not allowed here")
+    else:
+        err = InvalidRequest(str(exc.detail))
+        err.status_code = exc.status_code
+    return JSONResponse(err.to_dict(), err.status_code, headers=dict(exc.headers or {}))

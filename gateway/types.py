@@ -1,0 +1,114 @@
+"""Types shared across the request path, with no vllm and no web framework in them.
+
+The engine speaks these (``engine`` converts to and from vLLM's own types), the service
+and the encoders read them, the catalog hands out ``LoraSpec``. ``EngineBackend`` is the
+seam between the gateway and an engine: ``engine.EngineManager`` is the real one, and
+``tests/unit/fakes.FakeEngine`` a scripted one for tests without vllm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    name: str
+    lora_id: int
+    path: str
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New output of one choice since the last step."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    chunks: list[Chunk]
+    prompt_tokens: int
+    finished: bool
+
+
+class Tokenizer(Protocol):
+    def __len__(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+class EngineBackend(Protocol):
+    """What the service needs from an engine: generation only."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def prepare(self, sampling: SamplingSpec) -> Any:
+        """The engine's own form of ``sampling``, for ``generate``; InvalidRequest if refused."""
+
+    def generate(
+        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
+    ) -> AsyncIterator[StepOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class Engine(EngineBackend, Protocol):
+    """What the app needs on top: life cycle, readiness and LoRA slots."""
+
+    model_path: str | None
+    served_model_name: str
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    def unfinished_requests(self) -> int | None: ...
+
+    async def add_lora(self, lora: LoraSpec) -> None: ...
+
+    async def remove_lora(self, lora_id: int) -> None: ...
+
+    async def list_loras(self) -> set[int]: ...
