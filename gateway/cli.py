@@ -1,10 +1,10 @@
 """Command line: argv -> settings -> uvicorn (or a one-shot command).
 
-    python -m gateway serve [flags]        run the gateway (no flags: embedded Gemma 3 270M)
-    python -m gateway prepare-model        build the embedded model directory now
-    python -m gateway adapters list        show the catalog's routes
-    python -m gateway adapters validate    check a catalog without starting an engine
-    python -m gateway chat                 stream answers from a running gateway
+python -m gateway serve [flags]        run the gateway (no flags: embedded Gemma 3 270M)
+python -m gateway prepare-model        build the embedded model directory now
+python -m gateway adapters list        show the catalog's routes
+python -m gateway adapters validate    check a catalog without starting an engine
+python -m gateway chat                 stream answers from a running gateway
 """
 
 from __future__ import annotations
@@ -73,17 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gateway", description="Run the gateway (one engine).")
     _settings_args(serve)
 
-    prep = sub.add_parser("prepare-model", help="prepare the embedded model", description="Build the embedded Gemma 3 270M directory in the cache.")
+    prep = sub.add_parser(
+        "prepare-model",
+        help="prepare the embedded model",
+        description="Build the embedded Gemma 3 270M directory in the cache.",
+    )
     _settings_args(prep)
     prep.add_argument("--force", action="store_true", help="rebuild even if prepared")
 
-    adapters = sub.add_parser("adapters", help="inspect the adapter catalog", description="Inspect the adapter catalog.")
+    adapters = sub.add_parser(
+        "adapters", help="inspect the adapter catalog", description="Inspect the adapter catalog."
+    )
     adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
     for name, text in (("list", "list routes"), ("validate", "check the catalog without starting an engine")):
         p = adapters_sub.add_parser(name, help=text, description=text)
         _settings_args(p)
 
-    chat = sub.add_parser("chat", help="chat with a running gateway", description="Stream answers from a running gateway.")
+    chat = sub.add_parser(
+        "chat", help="chat with a running gateway", description="Stream answers from a running gateway."
+    )
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     chat.add_argument("--model", default=None, help="route (model name or alias)")
     chat.add_argument("--task", default=None, help="route by task")
@@ -126,8 +134,10 @@ def _serve(settings: GatewaySettings) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.server import DrainingServer
+    from gateway.server import DrainingServer, bind_socket
 
+    # Listen first: a port in use must fail now, before minutes of engine start (and GPU memory).
+    sock = bind_socket(settings.server.host, settings.server.port)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -140,14 +150,16 @@ def _serve(settings: GatewaySettings) -> int:
         timeout_graceful_shutdown=2,
         access_log=False,  # replaced by the JSON access log (gateway.access)
     )
-    server = DrainingServer(config, app.state.gateway)
-    app.state.gateway.request_exit = server.exit_now
-    server.run()
-    return int(app.state.gateway.exit_code)
+    gateway = app.state.gateway
+    server = DrainingServer(config, gateway)
+    gateway.request_exit = server.exit_now
+    server.run(sockets=[sock])
+    return int(gateway.exit_code)
 
 
 def _adapters(settings: GatewaySettings, command: str) -> int:
-    from gateway.catalog import LoraIds, load_table, model_module_names
+    from gateway.adapters_check import model_module_names
+    from gateway.catalog import LoraIds, load_table
 
     model = settings.engine.model
     if model is None:
@@ -168,7 +180,11 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         lora_ids=LoraIds(),
     )
     for route in table.all_routes():
-        detail = f"adapter={route.lora.path} digest={route.digest[:12]} rank={route.rank}" if route.lora and route.digest else ""
+        detail = (
+            f"adapter={route.lora.path} digest={route.digest[:12]} rank={route.rank}"
+            if route.lora and route.digest
+            else ""
+        )
         names = ",".join(route.aliases) or "-"
         tasks = ",".join(route.tasks) or "-"
         print(f"{route.name:<20} {route.kind:<7} aliases={names} tasks={tasks} {detail}".rstrip())
@@ -199,7 +215,10 @@ def _chat(args: argparse.Namespace) -> int:
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     response.read()
-                    print(f"error {response.status_code}: {response.json()['error']['message']}", file=sys.stderr)
+                    print(
+                        f"error {response.status_code}: {response.json()['error']['message']}",
+                        file=sys.stderr,
+                    )
                     return 1
                 print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
                 for line in response.iter_lines():

@@ -1,6 +1,9 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT refuses new work (503, ``/ready`` 503)
 and lets in-flight requests finish within ``limits.drain_timeout_s``; then uvicorn shuts
-down, and the lifespan stops the engine last. A second signal stops at once."""
+down, and the lifespan stops the engine last. A second signal stops at once.
+
+``bind_socket`` opens the listening socket before anything else starts, so an address
+in use stops the process at once instead of after the engine was built."""
 
 from __future__ import annotations
 
@@ -14,7 +17,23 @@ from typing import Any
 
 import uvicorn
 
+from gateway.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening-ready TCP socket; ``ConfigError`` (one line) if the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
