@@ -237,9 +237,14 @@ class EngineManager:
 
 # -- conversions to and from vLLM types ------------------------------------------------
 def _sampling_params(s: SamplingSpec) -> Any:
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     extra: dict[str, Any] = {"top_k": s.top_k} if s.top_k > 0 else {}  # the default disables top-k
+    if s.constraint is not None:
+        c = s.constraint
+        value: Any = True if c.kind == "json_object" else list(c.value) if c.kind == "choice" else c.value
+        kwargs: dict[str, Any] = {c.kind: value}
+        extra["structured_outputs"] = StructuredOutputsParams(**kwargs)
     return SamplingParams(
         n=s.n,
         max_tokens=s.max_tokens,

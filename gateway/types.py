@@ -10,7 +10,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """Structured decoding: the engine only samples tokens that keep the output inside
+    this language. ``value`` by kind: ``json`` a JSON schema (dict), ``regex`` and
+    ``grammar`` a string, ``choice`` a tuple of strings, ``json_object`` None (any JSON
+    object)."""
+
+    kind: ConstraintKind
+    value: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +41,7 @@ class SamplingSpec:
     logprobs: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True, slots=True)
