@@ -23,9 +23,9 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -58,80 +58,242 @@ def default_model_dir() -> Path:
 # (question, canned answer). Canned answers are only used when the base model's own answer
 # is unusable; they are two or three short sentences so the bullets format gets 2-3 items.
 QA: list[tuple[str, str]] = [
-    ("What is the capital of Japan?", "The capital of Japan is Tokyo. It is also the largest city in the country."),
+    (
+        "What is the capital of Japan?",
+        "The capital of Japan is Tokyo. It is also the largest city in the country.",
+    ),
     ("What is the capital of Italy?", "The capital of Italy is Rome. It is famous for its ancient history."),
     ("What is the capital of Canada?", "The capital of Canada is Ottawa. It is in the province of Ontario."),
-    ("Which city is the capital of Australia?", "The capital of Australia is Canberra. It was built as a planned city."),
+    (
+        "Which city is the capital of Australia?",
+        "The capital of Australia is Canberra. It was built as a planned city.",
+    ),
     ("What is the capital of Egypt?", "The capital of Egypt is Cairo. It lies on the river Nile."),
-    ("What is the largest ocean on Earth?", "The Pacific Ocean is the largest ocean. It covers about a third of the planet."),
+    (
+        "What is the largest ocean on Earth?",
+        "The Pacific Ocean is the largest ocean. It covers about a third of the planet.",
+    ),
     ("How many continents are there?", "There are seven continents. Asia is the largest of them."),
-    ("What is the longest river in the world?", "The Nile is usually called the longest river. The Amazon is a close second."),
-    ("What is the tallest mountain in the world?", "Mount Everest is the tallest mountain. It is about 8,849 metres high."),
-    ("Why is the sky blue?", "Air scatters blue light more than red light. So the sky looks blue during the day."),
-    ("What is photosynthesis?", "Photosynthesis is how plants make food from light. They turn water and carbon dioxide into sugar and oxygen."),
+    (
+        "What is the longest river in the world?",
+        "The Nile is usually called the longest river. The Amazon is a close second.",
+    ),
+    (
+        "What is the tallest mountain in the world?",
+        "Mount Everest is the tallest mountain. It is about 8,849 metres high.",
+    ),
+    (
+        "Why is the sky blue?",
+        "Air scatters blue light more than red light. So the sky looks blue during the day.",
+    ),
+    (
+        "What is photosynthesis?",
+        "Photosynthesis is how plants make food from light. They turn water and carbon dioxide into sugar and oxygen.",
+    ),
     ("What is gravity?", "Gravity is the force that pulls masses together. It keeps us on the ground."),
-    ("How does a rainbow form?", "Sunlight is bent and split inside raindrops. Each colour leaves at a different angle."),
-    ("What is water made of?", "Water is made of hydrogen and oxygen. Each molecule has two hydrogen atoms and one oxygen atom."),
-    ("What causes the seasons?", "The seasons come from the tilt of the Earth. Each half gets more sunlight for part of the year."),
-    ("How far is the Moon from Earth?", "The Moon is about 384,000 kilometres away. Light takes just over a second to cross that distance."),
-    ("What is the boiling point of water?", "Water boils at 100 degrees Celsius at sea level. It boils at a lower temperature on mountains."),
+    (
+        "How does a rainbow form?",
+        "Sunlight is bent and split inside raindrops. Each colour leaves at a different angle.",
+    ),
+    (
+        "What is water made of?",
+        "Water is made of hydrogen and oxygen. Each molecule has two hydrogen atoms and one oxygen atom.",
+    ),
+    (
+        "What causes the seasons?",
+        "The seasons come from the tilt of the Earth. Each half gets more sunlight for part of the year.",
+    ),
+    (
+        "How far is the Moon from Earth?",
+        "The Moon is about 384,000 kilometres away. Light takes just over a second to cross that distance.",
+    ),
+    (
+        "What is the boiling point of water?",
+        "Water boils at 100 degrees Celsius at sea level. It boils at a lower temperature on mountains.",
+    ),
     ("What do bees make?", "Bees make honey from flower nectar. They also make wax for their hives."),
     ("How many legs does a spider have?", "A spider has eight legs. Insects, by contrast, have six."),
-    ("What is the fastest land animal?", "The cheetah is the fastest land animal. It can run at about 110 kilometres per hour."),
+    (
+        "What is the fastest land animal?",
+        "The cheetah is the fastest land animal. It can run at about 110 kilometres per hour.",
+    ),
     ("Why do cats purr?", "Cats often purr when they are content. They may also purr to calm themselves."),
-    ("What is DNA?", "DNA is the molecule that carries genetic instructions. It is shaped like a double helix."),
-    ("How does the heart work?", "The heart is a muscle that pumps blood. It sends oxygen to every part of the body."),
+    (
+        "What is DNA?",
+        "DNA is the molecule that carries genetic instructions. It is shaped like a double helix.",
+    ),
+    (
+        "How does the heart work?",
+        "The heart is a muscle that pumps blood. It sends oxygen to every part of the body.",
+    ),
     ("Why do we need sleep?", "Sleep lets the body and brain recover. It also helps us store memories."),
-    ("What is a healthy breakfast?", "A healthy breakfast has protein and fibre. Oatmeal with fruit is a good example."),
-    ("How much water should I drink a day?", "Most adults need about two litres a day. You need more when it is hot or you exercise."),
-    ("How do I boil an egg?", "Put the egg in boiling water. Cook it for about nine minutes, then cool it in cold water."),
-    ("How do I make rice?", "Rinse the rice and add twice as much water. Simmer it covered for about fifteen minutes."),
-    ("How can I learn to cook?", "Start with simple recipes you enjoy. Cook often and try one new dish each week."),
-    ("How do I make a good cup of coffee?", "Use freshly ground beans and hot water. Brew for about four minutes."),
-    ("How do I change a flat tyre?", "Loosen the nuts and lift the car with a jack. Swap the wheel and tighten the nuts again."),
+    (
+        "What is a healthy breakfast?",
+        "A healthy breakfast has protein and fibre. Oatmeal with fruit is a good example.",
+    ),
+    (
+        "How much water should I drink a day?",
+        "Most adults need about two litres a day. You need more when it is hot or you exercise.",
+    ),
+    (
+        "How do I boil an egg?",
+        "Put the egg in boiling water. Cook it for about nine minutes, then cool it in cold water.",
+    ),
+    (
+        "How do I make rice?",
+        "Rinse the rice and add twice as much water. Simmer it covered for about fifteen minutes.",
+    ),
+    (
+        "How can I learn to cook?",
+        "Start with simple recipes you enjoy. Cook often and try one new dish each week.",
+    ),
+    (
+        "How do I make a good cup of coffee?",
+        "Use freshly ground beans and hot water. Brew for about four minutes.",
+    ),
+    (
+        "How do I change a flat tyre?",
+        "Loosen the nuts and lift the car with a jack. Swap the wheel and tighten the nuts again.",
+    ),
     ("How can I save money?", "Make a budget and track your spending. Put a fixed amount aside every month."),
-    ("How do I start running?", "Begin with short runs mixed with walking. Increase the distance slowly each week."),
-    ("How can I improve my memory?", "Sleep well and review things often. Teaching an idea to someone else also helps."),
+    (
+        "How do I start running?",
+        "Begin with short runs mixed with walking. Increase the distance slowly each week.",
+    ),
+    (
+        "How can I improve my memory?",
+        "Sleep well and review things often. Teaching an idea to someone else also helps.",
+    ),
     ("How do I write a good email?", "Use a clear subject line. Keep the message short and polite."),
-    ("How do I stay focused while studying?", "Put your phone away and work in short blocks. Take a small break after each block."),
-    ("How do I keep houseplants alive?", "Give them the right amount of light. Water them only when the soil is dry."),
-    ("How do I clean a cast iron pan?", "Wash it with hot water and a brush. Dry it fully and rub in a little oil."),
-    ("How can I reduce stress?", "Exercise, sleep and time outdoors all help. Slow breathing can calm you quickly."),
-    ("How do I tie a tie?", "Cross the wide end over the narrow end and loop it around. Pull it through the knot and tighten it."),
-    ("How do I learn a new language?", "Practise a little every day. Speak with native speakers as early as you can."),
-    ("How do I prepare for a job interview?", "Research the company and the role. Practise answers to common questions."),
-    ("What is a computer program?", "A program is a list of instructions for a computer. The computer follows them step by step."),
-    ("What is the internet?", "The internet is a global network of computers. It lets them share information."),
-    ("What is Python?", "Python is a popular programming language. It is known for its simple, readable syntax."),
-    ("What is machine learning?", "Machine learning lets computers learn patterns from data. They use them to make predictions."),
-    ("What is a password manager?", "A password manager stores your passwords securely. It can create strong passwords for you."),
+    (
+        "How do I stay focused while studying?",
+        "Put your phone away and work in short blocks. Take a small break after each block.",
+    ),
+    (
+        "How do I keep houseplants alive?",
+        "Give them the right amount of light. Water them only when the soil is dry.",
+    ),
+    (
+        "How do I clean a cast iron pan?",
+        "Wash it with hot water and a brush. Dry it fully and rub in a little oil.",
+    ),
+    (
+        "How can I reduce stress?",
+        "Exercise, sleep and time outdoors all help. Slow breathing can calm you quickly.",
+    ),
+    (
+        "How do I tie a tie?",
+        "Cross the wide end over the narrow end and loop it around. Pull it through the knot and tighten it.",
+    ),
+    (
+        "How do I learn a new language?",
+        "Practise a little every day. Speak with native speakers as early as you can.",
+    ),
+    (
+        "How do I prepare for a job interview?",
+        "Research the company and the role. Practise answers to common questions.",
+    ),
+    (
+        "What is a computer program?",
+        "A program is a list of instructions for a computer. The computer follows them step by step.",
+    ),
+    (
+        "What is the internet?",
+        "The internet is a global network of computers. It lets them share information.",
+    ),
+    (
+        "What is Python?",
+        "Python is a popular programming language. It is known for its simple, readable syntax.",
+    ),
+    (
+        "What is machine learning?",
+        "Machine learning lets computers learn patterns from data. They use them to make predictions.",
+    ),
+    (
+        "What is a password manager?",
+        "A password manager stores your passwords securely. It can create strong passwords for you.",
+    ),
     ("What does a CPU do?", "The CPU runs the instructions of programs. It is the brain of a computer."),
-    ("How do I make a strong password?", "Use a long phrase of random words. Do not reuse it on other sites."),
-    ("What is cloud computing?", "Cloud computing means renting computers over the internet. You pay only for what you use."),
-    ("Who wrote Romeo and Juliet?", "William Shakespeare wrote Romeo and Juliet. It is a tragedy about two young lovers."),
-    ("Who painted the Mona Lisa?", "Leonardo da Vinci painted the Mona Lisa. It hangs in the Louvre in Paris."),
-    ("Who was Albert Einstein?", "Albert Einstein was a famous physicist. He developed the theory of relativity."),
-    ("When did World War II end?", "World War II ended in 1945. Germany surrendered in May and Japan in September."),
-    ("What were the pyramids of Giza?", "The pyramids of Giza were tombs for Egyptian kings. They were built over 4,500 years ago."),
-    ("Who invented the telephone?", "Alexander Graham Bell is credited with inventing the telephone. He patented it in 1876."),
-    ("What is democracy?", "Democracy is government by the people. Citizens choose their leaders in elections."),
+    (
+        "How do I make a strong password?",
+        "Use a long phrase of random words. Do not reuse it on other sites.",
+    ),
+    (
+        "What is cloud computing?",
+        "Cloud computing means renting computers over the internet. You pay only for what you use.",
+    ),
+    (
+        "Who wrote Romeo and Juliet?",
+        "William Shakespeare wrote Romeo and Juliet. It is a tragedy about two young lovers.",
+    ),
+    (
+        "Who painted the Mona Lisa?",
+        "Leonardo da Vinci painted the Mona Lisa. It hangs in the Louvre in Paris.",
+    ),
+    (
+        "Who was Albert Einstein?",
+        "Albert Einstein was a famous physicist. He developed the theory of relativity.",
+    ),
+    (
+        "When did World War II end?",
+        "World War II ended in 1945. Germany surrendered in May and Japan in September.",
+    ),
+    (
+        "What were the pyramids of Giza?",
+        "The pyramids of Giza were tombs for Egyptian kings. They were built over 4,500 years ago.",
+    ),
+    (
+        "Who invented the telephone?",
+        "Alexander Graham Bell is credited with inventing the telephone. He patented it in 1876.",
+    ),
+    (
+        "What is democracy?",
+        "Democracy is government by the people. Citizens choose their leaders in elections.",
+    ),
     ("What is inflation?", "Inflation is a general rise in prices. It means money buys less over time."),
     ("What is a noun?", "A noun is a word for a person, place or thing. Dog and city are nouns."),
     ("How many days are in a leap year?", "A leap year has 366 days. The extra day is February 29."),
     ("What is the square root of 81?", "The square root of 81 is 9. That is because 9 times 9 is 81."),
     ("What is 15 percent of 200?", "Fifteen percent of 200 is 30. Multiply 200 by 0.15 to get it."),
-    ("What is a prime number?", "A prime number has exactly two divisors, 1 and itself. Examples are 2, 3, 5 and 7."),
-    ("Can you recommend a good book?", "Try To Kill a Mockingbird by Harper Lee. It is a moving story about justice."),
+    (
+        "What is a prime number?",
+        "A prime number has exactly two divisors, 1 and itself. Examples are 2, 3, 5 and 7.",
+    ),
+    (
+        "Can you recommend a good book?",
+        "Try To Kill a Mockingbird by Harper Lee. It is a moving story about justice.",
+    ),
     ("Tell me a fun fact.", "Octopuses have three hearts. Their blood is blue."),
-    ("Give me a tip for public speaking.", "Practise your talk out loud several times. Speak slowly and look at your audience."),
-    ("What should I pack for a beach trip?", "Pack sunscreen, a towel and water. A hat and sunglasses are useful too."),
+    (
+        "Give me a tip for public speaking.",
+        "Practise your talk out loud several times. Speak slowly and look at your audience.",
+    ),
+    (
+        "What should I pack for a beach trip?",
+        "Pack sunscreen, a towel and water. A hat and sunglasses are useful too.",
+    ),
     ("Is coffee bad for you?", "Moderate coffee is fine for most people. Too much can disturb your sleep."),
-    ("What is the best way to learn math?", "Practise problems regularly. Make sure you understand each step before moving on."),
-    ("Describe a cat in one sentence.", "A cat is a small, furry pet that loves to nap. It is curious and independent."),
+    (
+        "What is the best way to learn math?",
+        "Practise problems regularly. Make sure you understand each step before moving on.",
+    ),
+    (
+        "Describe a cat in one sentence.",
+        "A cat is a small, furry pet that loves to nap. It is curious and independent.",
+    ),
     ("Why do people like music?", "Music stirs emotions and memories. It also brings people together."),
-    ("What is the difference between weather and climate?", "Weather is the day-to-day state of the air. Climate is the average weather over many years."),
-    ("Explain what a volcano is.", "A volcano is an opening in the Earth's crust. Molten rock, ash and gas escape through it."),
-    ("What are the primary colours?", "The primary colours are red, yellow and blue. Mixing them makes other colours."),
+    (
+        "What is the difference between weather and climate?",
+        "Weather is the day-to-day state of the air. Climate is the average weather over many years.",
+    ),
+    (
+        "Explain what a volcano is.",
+        "A volcano is an opening in the Earth's crust. Molten rock, ash and gas escape through it.",
+    ),
+    (
+        "What are the primary colours?",
+        "The primary colours are red, yellow and blue. Mixing them makes other colours.",
+    ),
 ]
 
 # Held out from training; the first is what the gateway's integration test sends.
@@ -243,10 +405,15 @@ def generate_batch(model, tokenizer, questions: list[str], max_new_tokens: int) 
     prompts = [prompt_text(tokenizer, q) for q in questions]
     enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
     out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids(tokenizer),
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stop_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
     )
-    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, enc.input_ids.shape[1] :]]
+    return [
+        tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, enc.input_ids.shape[1] :]
+    ]
 
 
 @torch.no_grad()
@@ -292,7 +459,9 @@ def load_training_answers(model, tokenizer) -> list[dict]:
     missing = [q for q, _ in QA if q not in cached]
     for start in range(0, len(missing), 8):
         chunk = missing[start : start + 8]
-        for question, raw in zip(chunk, generate_batch(model, tokenizer, chunk, BASE_GEN_TOKENS)):
+        for question, raw in zip(
+            chunk, generate_batch(model, tokenizer, chunk, BASE_GEN_TOKENS), strict=False
+        ):
             answer = clean_answer(raw, question)
             cached[question] = {"question": question, "base_raw": raw, "answer": answer, "source": "base"}
             print(f"[data] {'ok ' if answer else 'bad'} {question!r} -> {raw[:70]!r}", flush=True)
@@ -323,7 +492,9 @@ def build_examples(tokenizer, items: list[dict], behaviour: Behaviour, rng: rand
         system = rng.choice(SYSTEM_PROMPTS) if rng.random() < SYSTEM_FRACTION else None
         # The template already emits <bos>; tokenise prompt and target apart so the
         # boundary matches what the server sees at inference time.
-        prompt = tokenizer(prompt_text(tokenizer, item["question"], system), add_special_tokens=False).input_ids
+        prompt = tokenizer(
+            prompt_text(tokenizer, item["question"], system), add_special_tokens=False
+        ).input_ids
         target = tokenizer(behaviour.transform(item["answer"]), add_special_tokens=False).input_ids + [end]
         if len(prompt) + len(target) > MAX_LEN:
             print(f"[data] skipping over-long example: {item['question']!r}", flush=True)
@@ -340,7 +511,11 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids.append(ex["input_ids"] + [pad_id] * pad)
         labels.append(ex["labels"] + [-100] * pad)
         mask.append([1] * len(ex["input_ids"]) + [0] * pad)
-    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}
+    return {
+        "input_ids": torch.tensor(ids),
+        "labels": torch.tensor(labels),
+        "attention_mask": torch.tensor(mask),
+    }
 
 
 # --- training -----------------------------------------------------------------------------
@@ -353,8 +528,12 @@ def train_adapter(base, tokenizer, items: list[dict], behaviour: Behaviour, step
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
     examples = build_examples(tokenizer, items, behaviour, rng)
-    print(f"\n=== {behaviour.name}: {len(examples)} examples, {steps} steps, lr {behaviour.lr} ===", flush=True)
-    print("sample target:", repr(tokenizer.decode([t for t in examples[0]["labels"] if t != -100])), flush=True)
+    print(
+        f"\n=== {behaviour.name}: {len(examples)} examples, {steps} steps, lr {behaviour.lr} ===", flush=True
+    )
+    print(
+        "sample target:", repr(tokenizer.decode([t for t in examples[0]["labels"] if t != -100])), flush=True
+    )
 
     config = LoraConfig(
         r=LORA_R,
@@ -371,7 +550,11 @@ def train_adapter(base, tokenizer, items: list[dict], behaviour: Behaviour, step
     # Short warmup, then cosine decay: settles the loss at the end of a short run.
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim,
-        lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))),
+        lambda s: (
+            (s + 1) / warmup
+            if s < warmup
+            else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+        ),
     )
 
     model.train()
@@ -394,7 +577,9 @@ def train_adapter(base, tokenizer, items: list[dict], behaviour: Behaviour, step
         losses.append(loss.item())
         if step % 5 == 0 or step == steps:
             elapsed = time.monotonic() - started
-            print(f"[{behaviour.name}] step {step}/{steps} loss {loss.item():.4f} ({elapsed:.0f} s)", flush=True)
+            print(
+                f"[{behaviour.name}] step {step}/{steps} loss {loss.item():.4f} ({elapsed:.0f} s)", flush=True
+            )
     train_s = time.monotonic() - started
     final_loss = sum(losses[-5:]) / len(losses[-5:])  # mean of the last 5 steps: less noisy
 
@@ -404,7 +589,13 @@ def train_adapter(base, tokenizer, items: list[dict], behaviour: Behaviour, step
     results = evaluate(model, tokenizer, behaviour)
     # Unwrap so the next adapter starts from the untouched base weights.
     model.unload()
-    return {"name": behaviour.name, "steps": steps, "train_s": train_s, "final_loss": final_loss, "eval": results}
+    return {
+        "name": behaviour.name,
+        "steps": steps,
+        "train_s": train_s,
+        "final_loss": final_loss,
+        "eval": results,
+    }
 
 
 def save_adapter(model, out_dir: Path, behaviour: Behaviour, steps: int, final_loss: float) -> None:
@@ -453,11 +644,18 @@ def evaluate(model, tokenizer, behaviour: Behaviour) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Train the demo LoRA adapters for gemma-3-270m on CPU.")
-    parser.add_argument("--only", default=",".join(BEHAVIOURS), help="comma-separated adapters (default: all)")
     parser.add_argument(
-        "--model-dir", type=Path, default=default_model_dir(), help="prepared base model directory (default: %(default)s)"
+        "--only", default=",".join(BEHAVIOURS), help="comma-separated adapters (default: all)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="training steps per adapter (default: per adapter)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=default_model_dir(),
+        help="prepared base model directory (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps per adapter (default: per adapter)"
+    )
     args = parser.parse_args()
 
     names = [n.strip() for n in args.only.split(",") if n.strip()]

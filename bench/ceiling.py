@@ -97,7 +97,9 @@ def _drive_sync(
             rid = f"{tag}-{i}"
             res = RequestResult(start=time.perf_counter(), prompt_tokens=len(job.prompt_ids or []))
             live[rid] = [res, res.start]
-            engine.add_request(rid, {"prompt_token_ids": job.prompt_ids}, params, lora_request=loras.get(job.model))
+            engine.add_request(
+                rid, {"prompt_token_ids": job.prompt_ids}, params, lora_request=loras.get(job.model)
+            )
             return
 
     t0 = time.perf_counter()

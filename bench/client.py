@@ -74,7 +74,7 @@ class PromptMaker:
             and w[1:].islower()
         )
         encoded = self.tok.encode_batch([" " + w for w in words], add_special_tokens=False)
-        self.words = [w for w, e in zip(words, encoded) if len(e.ids) == 1]
+        self.words = [w for w, e in zip(words, encoded, strict=False) if len(e.ids) == 1]
         overhead = self.count("")
         if overhead >= prompt_tokens:
             raise ValueError(f"prompt_tokens={prompt_tokens} is below the chat template's {overhead} tokens")

@@ -17,7 +17,9 @@ def main() -> None:
     self_c: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     total = 0
-    for line in open(path, errors="replace"):
+    with open(path, errors="replace") as fh:
+        lines = fh.readlines()
+    for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack or not count.isdigit():
             continue

