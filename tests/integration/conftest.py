@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,9 @@ class LiveGateway:
     adapters_root: Path
     log: Path
     process: subprocess.Popen[bytes]
+    # Every client made by client()/admin(), closed by stop_gateway: tests may write
+    # gw.client().post(...), and a client left to the garbage collector leaks its socket.
+    clients: list[httpx.Client] = field(default_factory=list)
 
     @property
     def v1(self) -> str:
@@ -58,10 +61,15 @@ class LiveGateway:
     admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
     def client(self, **kw: object) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)  # type: ignore[arg-type]
+        return self._keep(httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw))  # type: ignore[arg-type]
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.admin_headers, timeout=60)
+        return self._keep(httpx.Client(base_url=self.url, headers=self.admin_headers, timeout=60))
+
+    def _keep(self, client: httpx.Client) -> httpx.Client:
+        self.clients[:] = [c for c in self.clients if not c.is_closed]
+        self.clients.append(client)
+        return client
 
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: in flight, draining, the engine's unfinished requests."""
@@ -125,6 +133,8 @@ def wait_ready(gw: LiveGateway) -> None:
 
 
 def stop_gateway(gw: LiveGateway, timeout: float = 60) -> int:
+    for client in gw.clients:
+        client.close()
     if gw.process.poll() is None:
         gw.process.send_signal(signal.SIGTERM)
         try:
