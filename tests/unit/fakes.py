@@ -1,12 +1,22 @@
-"""A fake engine for unit tests of pure logic (no vllm): echoes scripted tokens."""
+"""A fake engine for unit tests (no vllm): the whole ``gateway.types.Engine`` protocol,
+generating scripted words, one token per step.
+
+Knobs for tests of the app: ``start_gate`` holds ``start()`` (the "starting" state),
+``gate`` holds every generation before its first step (requests stay in flight), and
+``fail()`` marks the engine dead, as vLLM's engine core dying does.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.engine import Chunk, LoraSpec, SamplingSpec, StepOutput
+from gateway.errors import EngineUnavailable
+from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput
+
+if TYPE_CHECKING:
+    from gateway.types import Engine
 
 
 class FakeTokenizer:
@@ -29,13 +39,56 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, words: list[str] | None = None, max_model_len: int = 100, delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        words: list[str] | None = None,
+        max_model_len: int = 100,
+        delay: float = 0.0,
+        *,
+        served_model_name: str = "fake-model",
+        start_gate: asyncio.Event | None = None,
+        gate: asyncio.Event | None = None,
+    ) -> None:
         self.words = words or ["Hello", " world", "!"]
         self._max_model_len = max_model_len
         self.delay = delay
         self.calls: list[tuple[list[int], SamplingSpec, str, LoraSpec | None]] = []
         self.aborted: list[str] = []
         self._tokenizer = FakeTokenizer()
+        self.model_path: str | None = None  # no model directory: adapters' target modules go unchecked
+        self.served_model_name = served_model_name
+        self.start_gate = start_gate
+        self.gate = gate
+        self.started = False
+        self.shut_down = False
+        self._errored = False
+        self.running = 0  # generations started and not yet ended (finished, failed or closed)
+        self.loras: dict[int, LoraSpec] = {}
+
+    # -- life cycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.start_gate is not None:
+            await self.start_gate.wait()
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+        self.shut_down = True
+
+    def fail(self) -> None:
+        """The engine dies: ``errored``, not ``ready``; running and new generations raise."""
+        self._errored = True
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self._errored
+
+    @property
+    def errored(self) -> bool:
+        return self._errored
+
+    def unfinished_requests(self) -> int | None:
+        return self.running
 
     @property
     def max_model_len(self) -> int:
@@ -50,17 +103,41 @@ class FakeEngine:
     ) -> AsyncIterator[StepOutput]:
         """``sampling`` is what ``prepare`` returned: the spec itself."""
         self.calls.append((prompt_ids, sampling, request_id, lora))
-        words = self.words[: sampling.max_tokens]
-        for i, word in enumerate(words):
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            last = i == len(words) - 1
-            reason = ("length" if len(words) == sampling.max_tokens else "stop") if last else None
-            chunks = [Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)]
-            yield StepOutput(chunks=chunks, prompt_tokens=len(prompt_ids), finished=last)
+        self.running += 1
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            words = self.words[: sampling.max_tokens]
+            for i, word in enumerate(words):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                if self._errored:
+                    raise EngineUnavailable("the engine has stopped")
+                last = i == len(words) - 1
+                reason = ("length" if len(words) == sampling.max_tokens else "stop") if last else None
+                chunks = [Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)]
+                yield StepOutput(chunks=chunks, prompt_tokens=len(prompt_ids), finished=last)
+        finally:
+            self.running -= 1
 
     def prepare(self, sampling: SamplingSpec) -> SamplingSpec:
         return sampling  # the fake generates straight from the spec
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    # -- LoRA slots -------------------------------------------------------------------
+    async def add_lora(self, lora: LoraSpec) -> None:
+        if self._errored:
+            raise EngineUnavailable("the engine has stopped")
+        self.loras[lora.lora_id] = lora
+
+    async def remove_lora(self, lora_id: int) -> None:
+        self.loras.pop(lora_id, None)
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+
+if TYPE_CHECKING:  # mypy checks that the fake is a whole Engine
+    _engine: Engine = FakeEngine()
