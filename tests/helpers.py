@@ -4,10 +4,11 @@ bodies, the OpenAI error shape, and "the gateway still serves"."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import time
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, overload
 
 import httpx
 
@@ -20,7 +21,11 @@ def _timed_out(what: str, timeout: float, detail: Callable[[], str] | None) -> A
 
 
 def eventually(
-    check: Callable[[], T], timeout: float, what: str, detail: Callable[[], str] | None = None, interval: float = 0.05
+    check: Callable[[], T],
+    timeout: float,
+    what: str,
+    detail: Callable[[], str] | None = None,
+    interval: float = 0.05,
 ) -> T:
     """Call ``check`` until it returns something true, and return that; fail after ``timeout``
     seconds with ``what`` (and ``detail()``, for context) in the message."""
@@ -32,17 +37,46 @@ def eventually(
     return result
 
 
+@overload
 async def eventually_async(
-    check: Callable[[], T], timeout: float, what: str, detail: Callable[[], str] | None = None, interval: float = 0.05
-) -> T:
+    check: Callable[[], Awaitable[T]],
+    timeout: float,
+    what: str,
+    detail: Callable[[], str] | None = None,
+    interval: float = 0.05,
+) -> T: ...
+
+
+@overload
+async def eventually_async(
+    check: Callable[[], T],
+    timeout: float,
+    what: str,
+    detail: Callable[[], str] | None = None,
+    interval: float = 0.05,
+) -> T: ...
+
+
+async def eventually_async(
+    check: Callable[[], Any],
+    timeout: float,
+    what: str,
+    detail: Callable[[], str] | None = None,
+    interval: float = 0.05,
+) -> Any:
     """``eventually`` for a test that runs on the event loop: it sleeps with ``asyncio.sleep``
-    so that tasks on the same loop (load, the app under test) keep running."""
+    so that tasks on the same loop (load, the app under test) keep running. ``check`` may
+    be a coroutine function (a request to an app in-process)."""
     deadline = time.monotonic() + timeout
-    while not (result := check()):
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
         if time.monotonic() > deadline:
             raise _timed_out(what, timeout, detail)
         await asyncio.sleep(interval)
-    return result
 
 
 def free_port() -> int:
@@ -93,4 +127,10 @@ def still_serves(target: httpx.Client | HasClient, model: str = "base") -> None:
     else:
         with target.client() as http:
             r = http.post("/v1/chat/completions", json=chat_body(model, max_tokens=2))
+    assert r.status_code == 200, r.text
+
+
+async def still_serves_async(http: httpx.AsyncClient, model: str = "base") -> None:
+    """``still_serves`` for an async client (an app in-process over ``httpx.ASGITransport``)."""
+    r = await http.post("/v1/chat/completions", json=chat_body(model, max_tokens=2))
     assert r.status_code == 200, r.text

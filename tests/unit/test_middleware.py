@@ -1,0 +1,293 @@
+"""The middleware through the whole app in-process: deny-by-default auth, scoped and admin
+keys, the header limit, and admission (429 at capacity and per key, 503 while draining)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+import httpx
+import pytest
+
+from tests.helpers import assert_openai_error, chat_body, eventually_async, still_serves_async
+from tests.unit.conftest import ADMIN, ADMIN_KEY, BASE, SHOUT_ONLY_KEY, SINGLE_KEY, USER_KEY, Serve, Served
+from tests.unit.fakes import FakeEngine
+
+NO_KEY = {"Authorization": ""}  # the client sends the user's key unless told otherwise
+
+
+def raw(served: Served, method: str, raw_path: bytes, headers: dict[str, str]) -> httpx.Request:
+    """A request whose path reaches the app as written (no client normalisation of '//')."""
+    return served.http.build_request(
+        method, httpx.URL("http://gateway.test", raw_path=raw_path), headers=headers
+    )
+
+
+# -- deny by default ---------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/health", "/ready", "/playground"])
+async def test_public_paths_need_no_key(serve: Serve, path: str) -> None:
+    served = await serve()
+    assert (await served.http.get(path, headers=NO_KEY)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/models", "/v1/models/shout", "/admin/adapters", "/admin/status", "/v1/nothing", "/", "/metrics"],
+)
+async def test_everything_else_needs_a_key(serve: Serve, path: str) -> None:
+    served = await serve()
+    r = await served.http.get(path, headers=NO_KEY)
+    err = assert_openai_error(r, 401, "invalid_api_key")
+    assert err["type"] == "authentication_error"
+    assert r.headers["www-authenticate"] == "Bearer"
+
+
+async def test_metrics_are_public_only_when_configured(serve: Serve) -> None:
+    served = await serve(auth__public_metrics=True)
+    r = await served.http.get("/metrics", headers=NO_KEY)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "gateway_engine_up 1.0" in r.text
+    assert (await served.http.get("/v1/models", headers=NO_KEY)).status_code == 401  # the rest is not
+
+
+async def test_metrics_with_a_key(serve: Serve) -> None:
+    served = await serve()
+    assert (await served.http.get("/metrics")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": "Bearer sk-wrong-key-000"},
+        {"Authorization": f"Basic {USER_KEY}"},
+        {"Authorization": f"Bearer {USER_KEY}x"},
+        {"Authorization": "Bearer "},
+        {"x-api-key": "sk-wrong-key-000", "Authorization": ""},
+    ],
+)
+async def test_a_wrong_key_is_401(serve: Serve, headers: dict[str, str]) -> None:
+    served = await serve()
+    r = await served.http.post("/v1/chat/completions", json=chat_body("base"), headers=headers)
+    assert_openai_error(r, 401, "invalid_api_key")
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert served.engine.calls == []
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": f"Bearer {USER_KEY}"},
+        {"Authorization": f"bearer {USER_KEY}"},
+        {"Authorization": f"Bearer  {USER_KEY} "},
+        {"x-api-key": USER_KEY, "Authorization": ""},
+    ],
+)
+async def test_bearer_and_x_api_key_are_accepted(serve: Serve, headers: dict[str, str]) -> None:
+    served = await serve()
+    assert (await served.http.get("/v1/models", headers=headers)).status_code == 200
+
+
+# -- scoped keys -------------------------------------------------------------------------
+async def test_a_key_limited_to_routes_sees_only_those(serve: Serve) -> None:
+    served = await serve()
+    only = {"Authorization": f"Bearer {SHOUT_ONLY_KEY}"}
+    ok = await served.http.post("/v1/chat/completions", json=chat_body("loud", max_tokens=2), headers=only)
+    assert ok.status_code == 200 and ok.json()["model"] == "shout"
+    for other in ("json", BASE, "base", "concise"):
+        r = await served.http.post("/v1/chat/completions", json=chat_body(other, max_tokens=2), headers=only)
+        assert_openai_error(r, 404, "model_not_found")  # as if the route did not exist
+    by_task = await served.http.post(
+        "/v1/chat/completions", json=chat_body(BASE, task="extract"), headers=only
+    )
+    assert_openai_error(by_task, 404, "model_not_found")
+    house = await served.http.post("/chat", json={"question": "hi", "model": "json"}, headers=only)
+    assert_openai_error(house, 404, "model_not_found")
+    completion = await served.http.post(
+        "/v1/completions", json={"model": "json", "prompt": "hi"}, headers=only
+    )
+    assert_openai_error(completion, 404, "model_not_found")
+    models = (await served.http.get("/v1/models", headers=only)).json()["data"]
+    assert {m["id"] for m in models} == {"shout", "loud"}
+    assert (await served.http.get("/v1/models/loud", headers=only)).status_code == 200
+    assert_openai_error(await served.http.get("/v1/models/json", headers=only), 404)
+    assert len(served.engine.calls) == 1  # only the allowed request reached the engine
+
+
+async def test_an_unscoped_key_sees_every_route(serve: Serve) -> None:
+    served = await serve()
+    models = (await served.http.get("/v1/models")).json()["data"]
+    assert {m["id"] for m in models} == {BASE, "base", "shout", "loud", "json", "concise"}
+
+
+# -- admin paths -------------------------------------------------------------------------
+ADMIN_PATHS = [
+    ("GET", b"/admin/adapters"),
+    ("GET", b"/admin/status"),
+    ("POST", b"/admin/adapters/reload"),
+    ("GET", b"//admin/adapters"),
+    ("GET", b"///admin//status"),
+    ("POST", b"//admin/adapters/reload"),
+    ("GET", b"/ADMIN/adapters"),
+    ("GET", b"/Admin/status"),
+    ("GET", b"/admin%2Fadapters"),
+    ("GET", b"/admin"),
+    ("GET", b"/admin/nothing"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ADMIN_PATHS)
+async def test_admin_paths_are_403_for_a_user_key(serve: Serve, method: str, path: bytes) -> None:
+    served = await serve()
+    r = await served.http.send(raw(served, method, path, {"Authorization": f"Bearer {USER_KEY}"}))
+    err = assert_openai_error(r, 403, "admin_only")
+    assert err["type"] == "permission_error"
+
+
+@pytest.mark.parametrize(("method", "path"), ADMIN_PATHS)
+async def test_admin_paths_are_401_without_a_key(serve: Serve, method: str, path: bytes) -> None:
+    served = await serve()
+    r = await served.http.send(raw(served, method, path, NO_KEY))
+    assert_openai_error(r, 401, "invalid_api_key")
+
+
+async def test_an_admin_key_may_use_admin_paths(serve: Serve) -> None:
+    served = await serve()
+    adapters = await served.http.get("/admin/adapters", headers=ADMIN)
+    assert adapters.status_code == 200
+    body = adapters.json()
+    assert body["last_error"] is None and body["rejected"] == {}
+    assert body["engine_loras"] == body["live_loras"] == sorted(served.engine.loras)  # both adapters loaded
+    assert len(body["live_loras"]) == 2
+    status = await served.http.get("/admin/status", headers={"x-api-key": ADMIN_KEY, "Authorization": ""})
+    assert status.status_code == 200
+    assert status.json()["inflight"] == 0 and status.json()["engine_ready"] is True
+    reload = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert reload.status_code == 200 and reload.json()["reloaded"] is True
+
+
+# -- header limit ------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/v1/models", "/health"])
+async def test_oversized_headers_are_431_before_auth(serve: Serve, path: str) -> None:
+    served = await serve()
+    for headers in ({"x-junk": "a" * 20_000}, {**NO_KEY, "x-junk": "a" * 20_000}):
+        assert_openai_error(await served.http.get(path, headers=headers), 431, "headers_too_large")
+    assert (await served.http.get(path, headers={"x-junk": "a" * 8_000})).status_code == 200  # under 16 KiB
+
+
+async def test_the_header_limit_is_a_setting(serve: Serve) -> None:
+    served = await serve(server__max_header_bytes=2048)
+    assert_openai_error(await served.http.get("/v1/models", headers={"x-junk": "a" * 3000}), 431)
+
+
+async def test_a_long_query_string_counts_toward_the_header_limit(serve: Serve) -> None:
+    served = await serve()
+    assert_openai_error(await served.http.get("/v1/models", params={"q": "a" * 20_000}), 431)
+
+
+# -- admission ---------------------------------------------------------------------------
+async def soon(request: Awaitable[httpx.Response]) -> httpx.Response:
+    """A request that must be answered at once: one admitted by mistake would wait on the
+    engine's closed gate, and fail here instead of hanging the test."""
+    return await asyncio.wait_for(request, 5)
+
+
+async def held(served: Served, count: int, key: str = USER_KEY) -> list[asyncio.Task[httpx.Response]]:
+    """``count`` chat requests admitted and waiting in the engine (its gate is closed)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    before = served.engine.running
+    tasks = [
+        asyncio.ensure_future(
+            served.http.post("/v1/chat/completions", json=chat_body("base"), headers=headers)
+        )
+        for _ in range(count)
+    ]
+    await eventually_async(
+        lambda: served.engine.running == before + count, 5, f"{count} more requests in the engine"
+    )
+    return tasks
+
+
+async def test_above_max_inflight_is_a_fast_429_with_retry_after(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), limits__max_inflight=2)
+    running = await held(served, 2)
+    for path, body in [
+        ("/v1/chat/completions", chat_body("base")),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/chat", {"question": "hi"}),
+    ]:
+        r = await soon(served.http.post(path, json=body))
+        err = assert_openai_error(r, 429, "rate_limit_exceeded")
+        assert err["type"] == "rate_limit_exceeded"
+        assert r.headers["retry-after"] == "1"
+    assert len(served.engine.calls) == 2  # the refused requests never reached the engine
+    assert (await served.http.get("/v1/models")).status_code == 200  # only inference is bounded
+    status = (await served.http.get("/admin/status", headers=ADMIN)).json()
+    assert status["inflight"] == 2 and status["rejected"] == 3
+    gate.set()
+    assert [(await soon(t)).status_code for t in running] == [200, 200]
+    assert served.gw.admission.inflight == 0
+    await still_serves_async(served.http)
+
+
+async def test_retry_after_is_a_setting(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), limits__max_inflight=1, limits__retry_after_s=7)
+    running = await held(served, 1)
+    r = await soon(served.http.post("/v1/chat/completions", json=chat_body("base")))
+    assert r.status_code == 429 and r.headers["retry-after"] == "7"
+    gate.set()
+    assert (await soon(running[0])).status_code == 200
+
+
+async def test_a_key_above_its_max_concurrency_gets_429_and_others_do_not(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate))
+    single = {"Authorization": f"Bearer {SINGLE_KEY}"}
+    mine = await held(served, 1, SINGLE_KEY)
+    second = await soon(served.http.post("/v1/chat/completions", json=chat_body("base"), headers=single))
+    assert_openai_error(second, 429, "rate_limit_exceeded")
+    assert second.headers["retry-after"] == "1"
+    others = await held(served, 2)  # the bound is per key: the user's requests are admitted
+    assert served.gw.admission.per_key == {"single": 1, "user": 2}
+    gate.set()
+    assert [(await soon(t)).status_code for t in [*mine, *others]] == [200, 200, 200]
+    assert served.gw.admission.per_key == {}
+    again = await served.http.post(
+        "/v1/chat/completions", json=chat_body("base", max_tokens=2), headers=single
+    )
+    assert again.status_code == 200  # the key's slot came back
+
+
+async def test_a_failed_request_releases_its_slot(serve: Serve) -> None:
+    served = await serve(limits__max_inflight=1)
+    for _ in range(3):
+        r = await served.http.post("/v1/chat/completions", json=chat_body("no-such-route"))
+        assert_openai_error(r, 404, "model_not_found")
+    assert served.gw.admission.inflight == 0
+    await still_serves_async(served.http)
+
+
+async def test_draining_refuses_new_work_with_503(serve: Serve) -> None:
+    served = await serve()
+    served.gw.admission.draining = True
+    r = await served.http.post("/v1/chat/completions", json=chat_body("base"))
+    err = assert_openai_error(r, 503)
+    assert err["type"] == "service_unavailable" and r.headers["retry-after"] == "1"
+    assert served.engine.calls == []
+    ready = await served.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"status": "draining"})
+    assert (await served.http.get("/health")).status_code == 200  # alive, just not taking work
+    assert (await served.http.get("/v1/models")).status_code == 200
+
+
+async def test_request_id_is_returned(serve: Serve) -> None:
+    served = await serve()
+    assert (await served.http.get("/health", headers={"x-request-id": "abc-123"})).headers[
+        "x-request-id"
+    ] == "abc-123"
+    assert len((await served.http.get("/health")).headers["x-request-id"]) == 32
+    unsafe = await served.http.get("/health", headers={"x-request-id": "a b<script>"})
+    assert len(unsafe.headers["x-request-id"]) == 32  # replaced, not echoed
+    refused = await served.http.get("/v1/models", headers={**NO_KEY, "x-request-id": "denied-1"})
+    assert refused.headers["x-request-id"] == "denied-1"  # errors from middleware carry it too

@@ -1,0 +1,125 @@
+"""read_json on its own: a bounded body (413 by declared length or as it streams in),
+parsed (400 for bad JSON or not an object) and validated (400 naming the field)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.types import Message
+
+from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.protocol import ChatCompletionRequest
+from gateway.responses import read_json
+
+
+class Small(BaseModel):
+    name: str
+    count: int = Field(1, ge=1)
+
+
+def request(chunks: Iterable[bytes], content_length: int | None = None) -> tuple[Request, list[bytes]]:
+    """A request whose body arrives in ``chunks``; the list records the chunks read."""
+    parts = list(chunks)
+    read: list[bytes] = []
+    headers = [(b"content-type", b"application/json")]
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+
+    async def receive() -> Message:
+        if not parts:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        part = parts.pop(0)
+        read.append(part)
+        return {"type": "http.request", "body": part, "more_body": bool(parts)}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers, "query_string": b""}
+    return Request(scope, receive), read
+
+
+async def test_a_valid_body_becomes_the_model() -> None:
+    req, _ = request([b'{"name": "a",', b' "count": 3}'])
+    assert await read_json(req, Small, 100) == Small(name="a", count=3)
+
+
+async def test_a_declared_length_above_the_limit_is_413_before_reading() -> None:
+    req, read = request([b'{"name": "a"}'], content_length=101)
+    with pytest.raises(PayloadTooLarge) as info:
+        await read_json(req, Small, 100)
+    assert info.value.status_code == 413 and info.value.code == "payload_too_large"
+    assert read == []  # refused on the header alone
+
+
+async def test_a_body_above_the_limit_is_413_as_it_streams_in() -> None:
+    chunks = [b'{"name": "', *[b"x" * 40] * 10, b'"}']
+    req, read = request(chunks)  # no content-length (chunked), or one that lies
+    with pytest.raises(PayloadTooLarge):
+        await read_json(req, Small, 100)
+    assert len(read) == 4  # stopped at the chunk that crossed the limit, not at the end
+
+    lying, _ = request(chunks, content_length=10)
+    with pytest.raises(PayloadTooLarge):
+        await read_json(lying, Small, 100)
+
+
+async def test_a_body_at_the_limit_is_read() -> None:
+    body = b'{"name": "' + b"x" * 88 + b'"}'
+    assert len(body) == 100
+    req, _ = request([body], content_length=100)
+    assert (await read_json(req, Small, 100)).name == "x" * 88
+
+
+@pytest.mark.parametrize(
+    "body", [b"{not json", b"", b'{"name": "a"', b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000]
+)
+async def test_bad_json_is_400(body: bytes) -> None:
+    req, _ = request([body])
+    with pytest.raises(InvalidRequest) as info:
+        await read_json(req, Small, 1_000_000)
+    assert info.value.status_code == 400 and info.value.message == "request body is not valid JSON"
+    assert info.value.param is None
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"name"', b"3", b"null", b"true"])
+async def test_a_body_that_is_not_an_object_is_400(body: bytes) -> None:
+    req, _ = request([body])
+    with pytest.raises(InvalidRequest) as info:
+        await read_json(req, Small, 100)
+    assert info.value.message == "request body must be a JSON object" and info.value.param is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{}", "name"),
+        (b'{"name": 5}', "name"),
+        (b'{"name": "a", "count": 0}', "count"),
+        (b'{"name": "a", "count": "many"}', "count"),
+    ],
+)
+async def test_a_validation_error_is_400_naming_the_field(body: bytes, param: str) -> None:
+    req, _ = request([body])
+    with pytest.raises(InvalidRequest) as info:
+        await read_json(req, Small, 100)
+    assert info.value.param == param
+    assert info.value.message.startswith(f"{param}: ")
+    assert info.value.to_dict()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_nested_field_is_named_by_its_path() -> None:
+    req, _ = request(
+        [b'{"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}']
+    )
+    with pytest.raises(InvalidRequest) as info:
+        await read_json(req, ChatCompletionRequest, 10_000)
+    assert info.value.param == "messages.1.role"
+
+
+async def test_a_validator_message_loses_pydantics_prefix() -> None:
+    req, _ = request([b'{"messages": [{"role": "system", "content": "x"}]}'])
+    with pytest.raises(InvalidRequest) as info:
+        await read_json(req, ChatCompletionRequest, 10_000)
+    assert info.value.param == "messages"
+    assert info.value.message == "messages: messages must contain at least one user or assistant message"

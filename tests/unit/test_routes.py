@@ -1,0 +1,324 @@
+"""The handlers through the whole app in-process with a FakeEngine: /health and /ready in
+every state, the inference endpoints and their wire formats, the error statuses, and the
+admin reload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tests.helpers import (
+    assert_openai_error,
+    chat_body,
+    completion_body,
+    eventually_async,
+    still_serves_async,
+)
+from tests.unit.conftest import ADMIN, BASE, CATALOG, Serve
+from tests.unit.fakes import FakeEngine
+
+
+def sse_data(text: str) -> list[str]:
+    """The data of each SSE event, in order."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e.removeprefix("data: ") for e in events]
+
+
+# -- /health and /ready ------------------------------------------------------------------
+async def test_starting_health_200_ready_503_and_requests_503_with_retry_after(serve: Serve) -> None:
+    start_gate = asyncio.Event()
+    served = await serve(FakeEngine(start_gate=start_gate), wait_ready=False)
+    assert (await served.http.get("/health")).json() == {"status": "ok"}
+    ready = await served.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"status": "starting"})
+    for path, body in [
+        ("/v1/chat/completions", chat_body("base")),
+        ("/chat", {"question": "hi"}),
+        ("/v1/completions", completion_body("base")),
+    ]:
+        r = await served.http.post(path, json=body)
+        err = assert_openai_error(r, 503, "engine_unavailable")
+        assert err["type"] == "service_unavailable" and r.headers["retry-after"] == "5"
+    assert_openai_error(await served.http.get("/v1/models"), 503)
+    assert_openai_error(await served.http.get("/admin/adapters", headers=ADMIN), 503)
+    assert served.gw.admission.inflight == 0
+    start_gate.set()
+    await served.ready()
+    assert (await served.http.get("/ready")).json() == {"status": "ready", "model": BASE}
+    await still_serves_async(served.http)
+
+
+async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_path: Path) -> None:
+    (tmp_path / "adapters.yaml").write_text("routes: [this is not yaml\n")
+    served = await serve(wait_ready=False)
+    await eventually_async(lambda: served.gw.startup_error is not None, 5, "the start failed")
+    health = await served.http.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "error"
+    assert "adapters.yaml" in health.json()["detail"]
+    ready = await served.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"status": "error"})
+    assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("base")), 503)
+
+
+async def test_engine_death_health_503_requests_503_and_open_streams_get_an_error_event(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate))
+    stream = asyncio.ensure_future(
+        served.http.post("/v1/chat/completions", json=chat_body("base", stream=True))
+    )
+    await eventually_async(lambda: served.engine.running == 1, 5, "the stream reached the engine")
+    served.engine.fail()
+    gate.set()
+    events = sse_data((await stream).text)
+    assert (await stream).status_code == 200  # the status line went out before the engine died
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    assert json.loads(events[-1])["error"]["type"] == "service_unavailable"
+    health = await served.http.get("/health")
+    assert (health.status_code, health.json()["status"]) == (503, "error")
+    r = await served.http.post("/v1/chat/completions", json=chat_body("base"))
+    assert_openai_error(r, 503)
+    assert (await served.http.get("/ready")).status_code == 503
+    await eventually_async(lambda: served.gw.admission.draining, 5, "the supervisor drains after the death")
+    assert (await served.http.get("/ready")).json() == {"status": "draining"}
+
+
+async def test_the_lifespan_starts_the_engine_and_shuts_it_down(
+    make_settings: Callable[..., GatewaySettings],
+) -> None:
+    engine = FakeEngine()
+    app = create_app(make_settings(), engine)
+    async with app.router.lifespan_context(app):
+        await eventually_async(lambda: app.state.gateway.is_ready, 5, "the gateway started")
+        assert engine.started and not engine.shut_down
+    assert engine.shut_down and not engine.ready
+
+
+# -- inference through the fake ----------------------------------------------------------
+async def test_chat_completion(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post("/v1/chat/completions", json=chat_body("base", max_tokens=5))
+    assert r.status_code == 200
+    assert r.headers["x-adapter"] == BASE and "x-adapter-digest" not in r.headers
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == BASE
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hello world!"}
+    assert choice["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 3
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def test_a_lora_route_reaches_the_engine_with_its_adapter(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post("/v1/chat/completions", json=chat_body("loud", max_tokens=5))
+    assert r.status_code == 200 and r.json()["model"] == "shout"
+    assert r.headers["x-adapter"] == "shout" and len(r.headers["x-adapter-digest"]) == 64
+    lora = served.engine.calls[-1][3]
+    assert lora is not None and lora.name.startswith("shout@") and lora.lora_id in served.engine.loras
+    by_task = await served.http.post("/v1/chat/completions", json=chat_body(BASE, task="shouting"))
+    assert by_task.headers["x-adapter"] == "shout"
+
+
+async def test_chat_stream_is_openai_chunks_then_done(serve: Serve) -> None:
+    served = await serve()
+    body = chat_body("shout", stream=True, stream_options={"include_usage": True})
+    r = await served.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-adapter"] == "shout" and r.headers["cache-control"] == "no-cache"
+    data = sse_data(r.text)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "shout" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello world!"
+    assert (
+        len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) == 3
+    )  # one per step
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_house_stream_on_chat_and_on_chat_completions(serve: Serve) -> None:
+    served = await serve()
+    expected = (
+        'event: message\ndata: {"text": "Hello"}\n\n'
+        'event: message\ndata: {"text": " world"}\n\n'
+        'event: message\ndata: {"text": "!"}\n\n'
+        "event: done\ndata: [DONE]\n\n"
+    )
+    house = await served.http.post("/chat", json={"question": "hi", "task": "shouting"})
+    assert house.status_code == 200 and house.headers["x-adapter"] == "shout"
+    assert house.text == expected
+    header = await served.http.post(
+        "/v1/chat/completions", json=chat_body("base"), headers={"X-Stream-Format": "house"}
+    )
+    assert header.status_code == 200 and header.text == expected
+    two = await served.http.post(
+        "/v1/chat/completions", json=chat_body("base", n=2), headers={"X-Stream-Format": "house"}
+    )
+    assert assert_openai_error(two, 400)["param"] == "n"
+    assert (
+        served.gw.catalog is not None and served.gw.catalog.in_use() == {}
+    )  # the refused one let go of its route
+
+
+async def test_completion(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post("/v1/completions", json=completion_body("base", [5, 6, 7], max_tokens=2))
+    assert r.status_code == 200
+    assert r.json()["object"] == "text_completion" and r.json()["choices"][0]["text"] == "Hello world"
+    assert served.engine.calls[-1][0] == [5, 6, 7]
+    stream = await served.http.post("/v1/completions", json=completion_body("base", "hi", stream=True))
+    data = sse_data(stream.text)
+    assert data[-1] == "[DONE]"
+    assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == "Hello world!"
+
+
+async def test_models_list_and_card(serve: Serve) -> None:
+    served = await serve()
+    cards = {m["id"]: m for m in (await served.http.get("/v1/models")).json()["data"]}
+    assert cards[BASE]["parent"] is None and cards["shout"]["parent"] == BASE
+    assert (
+        cards["shout"]["kind"] == "lora"
+        and len(cards["shout"]["digest"]) == 64
+        and cards["shout"]["rank"] == 8
+    )
+    assert cards["loud"]["alias_of"] == "shout" and cards["loud"]["digest"] == cards["shout"]["digest"]
+    assert cards["concise"]["kind"] == "preset" and cards["concise"]["digest"] is None
+    assert (await served.http.get("/v1/models/concise")).json()["id"] == "concise"
+    assert_openai_error(await served.http.get("/v1/models/nope"), 404)
+
+
+# -- errors ------------------------------------------------------------------------------
+async def test_unknown_path_is_404_and_wrong_method_405(serve: Serve) -> None:
+    served = await serve()
+    assert_openai_error(await served.http.get("/v1/nothing"), 404, "not_found")
+    assert_openai_error(await served.http.post("/v1/nothing"), 404, "not_found")
+    assert_openai_error(await served.http.get("/v1/chat/completions"), 405, "method_not_allowed")
+    assert_openai_error(await served.http.delete("/v1/models"), 405, "method_not_allowed")
+    assert_openai_error(await served.http.get("/admin/adapters/reload", headers=ADMIN), 405)
+
+
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        (b"{not json", None),
+        (b"", None),
+        (b"[1, 2]", None),
+        (b'"text"', None),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+        (b'{"messages": "hello"}', "messages"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 100}', "n"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -1}', "top_p"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}', "max_tokens"),
+    ],
+)
+async def test_bad_bodies_are_400_with_param(serve: Serve, content: bytes, param: str | None) -> None:
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+    )
+    err = assert_openai_error(r, 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert served.engine.calls == [] and served.gw.admission.inflight == 0
+    await still_serves_async(served.http)
+
+
+async def test_unknown_model_is_404_model_not_found(serve: Serve) -> None:
+    served = await serve()
+    for name in ("no-such-adapter", "../shout", "SHOUT"):
+        err = assert_openai_error(
+            await served.http.post("/v1/chat/completions", json=chat_body(name)), 404, "model_not_found"
+        )
+        assert err["param"] == "model"
+    assert_openai_error(
+        await served.http.post("/chat", json={"question": "hi", "model": "nope"}), 404, "model_not_found"
+    )
+
+
+async def test_context_length_exceeded(serve: Serve) -> None:
+    served = await serve(FakeEngine(max_model_len=50))
+    r = await served.http.post("/v1/chat/completions", json=chat_body("base", "x" * 100))
+    assert_openai_error(r, 400, "context_length_exceeded")
+
+
+async def test_body_too_large_is_413_by_content_length(serve: Serve) -> None:
+    served = await serve(limits__max_body_bytes=1024)
+    big = json.dumps(chat_body("base", "x" * 2000)).encode()
+    r = await served.http.post(
+        "/v1/chat/completions", content=big, headers={"content-type": "application/json"}
+    )
+    assert r.request.headers["content-length"] == str(len(big))
+    assert_openai_error(r, 413, "payload_too_large")
+    assert served.engine.calls == []
+    await still_serves_async(served.http)
+
+
+async def test_body_too_large_is_413_when_streamed_without_a_length(serve: Serve) -> None:
+    served = await serve(limits__max_body_bytes=1024)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "base", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"x" * 200
+        yield b'"}]}'
+
+    r = await served.http.post(
+        "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert "content-length" not in r.request.headers
+    assert_openai_error(r, 413, "payload_too_large")
+    await still_serves_async(served.http)
+
+
+# -- admin reload ------------------------------------------------------------------------
+async def test_reload_with_a_broken_catalog_is_422_and_the_last_good_table_serves(
+    serve: Serve, tmp_path: Path
+) -> None:
+    served = await serve()
+    (tmp_path / "adapters.yaml").write_text("routes: [this is not yaml\n")
+    r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert r.status_code == 422
+    body = r.json()
+    assert body["reloaded"] is False and "adapters.yaml" in body["error"]
+    assert body["routes"] == ["concise", "json", "shout"]
+    await still_serves_async(served.http, "shout")
+    assert (await served.http.get("/admin/adapters", headers=ADMIN)).json()["last_error"] == body["error"]
+    (tmp_path / "adapters.yaml").write_text("")  # an editor's truncate before its write
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 422
+    await still_serves_async(served.http, "shout")
+    (tmp_path / "adapters.yaml").write_text(CATALOG)
+    fixed = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert fixed.status_code == 200 and fixed.json()["error"] is None
+
+
+async def test_reload_adds_a_route_and_loads_its_adapter(serve: Serve, tmp_path: Path) -> None:
+    served = await serve()
+    (tmp_path / "adapters.yaml").write_text(
+        CATALOG + "  - name: hot\n    adapter: shout\n  - name: evil\n    adapter: ../x\n"
+    )
+    r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["routes"] == ["concise", "hot", "json", "shout"]
+    ok = await served.http.post("/v1/chat/completions", json=chat_body("hot"))
+    assert ok.status_code == 200 and ok.headers["x-adapter"] == "hot"
+    state = (await served.http.get("/admin/adapters", headers=ADMIN)).json()
+    assert "evil" in state["rejected"]
+    assert set(state["live_loras"]) <= set(state["engine_loras"])
+    assert_openai_error(
+        await served.http.post("/v1/chat/completions", json=chat_body("evil")), 404, "model_not_found"
+    )
