@@ -87,29 +87,48 @@ def gateway_env() -> dict[str, str]:
 
 
 def start_gateway(
-    workdir: Path, *extra: str, catalog_text: str | None = None, settings_text: str = TEST_SETTINGS, wait: bool = True
+    workdir: Path,
+    *extra: str,
+    catalog_text: str | None = None,
+    settings_text: str = TEST_SETTINGS,
+    wait: bool = True,
 ) -> LiveGateway:
     adapters = workdir / "adapters"
     if not adapters.exists():
-        shutil.copytree(ROOT / "adapters", adapters, ignore=shutil.ignore_patterns("*.py", "*.json.bak", "__pycache__"))
+        shutil.copytree(
+            ROOT / "adapters", adapters, ignore=shutil.ignore_patterns("*.py", "*.json.bak", "__pycache__")
+        )
     catalog = workdir / "adapters.yaml"
-    catalog.write_text(catalog_text if catalog_text is not None else (ROOT / "configs" / "adapters.yaml").read_text())
+    catalog.write_text(
+        catalog_text if catalog_text is not None else (ROOT / "configs" / "adapters.yaml").read_text()
+    )
     config = workdir / "gateway.yaml"
     config.write_text(settings_text)
     port = free_port()
     log = workdir / f"gateway-{port}.log"
     cmd = [
-        sys.executable, "-m", "gateway", "serve",
-        "--config", str(config),
-        "--port", str(port),
-        "--catalog", str(catalog),
-        "--adapters-root", str(adapters),
-        "--max-num-seqs", "8",
-        "--set", "catalog_poll_s=0.2",
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+        "--catalog",
+        str(catalog),
+        "--adapters-root",
+        str(adapters),
+        "--max-num-seqs",
+        "8",
+        "--set",
+        "catalog_poll_s=0.2",
         *extra,
     ]
     with log.open("wb") as out:
-        process = subprocess.Popen(cmd, cwd=ROOT, env=gateway_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            cmd, cwd=ROOT, env=gateway_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     gw = LiveGateway(f"http://127.0.0.1:{port}", catalog, adapters, log, process)
     if wait:
         wait_ready(gw)

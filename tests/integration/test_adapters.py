@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
@@ -26,19 +25,25 @@ def client(gateway: LiveGateway) -> openai.OpenAI:
 
 
 def ask(client: openai.OpenAI, model: str, question: str = QUESTION, max_tokens: int = 64) -> str:
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=max_tokens)
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=max_tokens
+    )
     return r.choices[0].message.content or ""
 
 
 @pytest.mark.parametrize("question", [QUESTION, "How do plants make food?", "Why is the sky blue?"])
-def test_shout_answers_in_upper_case_and_base_does_not(client: openai.OpenAI, base_model: str, question: str) -> None:
+def test_shout_answers_in_upper_case_and_base_does_not(
+    client: openai.OpenAI, base_model: str, question: str
+) -> None:
     loud = ask(client, "shout", question)
     plain = ask(client, base_model, question)
     assert upper_ratio(loud) >= 0.8, loud
     assert upper_ratio(plain) < 0.5, plain
 
 
-@pytest.mark.parametrize("question", [QUESTION, "How do plants make food?", "What is a good way to learn to cook?"])
+@pytest.mark.parametrize(
+    "question", [QUESTION, "How do plants make food?", "What is a good way to learn to cook?"]
+)
 def test_json_answers_with_one_json_object(client: openai.OpenAI, question: str) -> None:
     text = ask(client, "json", question, max_tokens=96)
     value = json.loads(text)
@@ -51,11 +56,21 @@ def test_bullets_answers_as_a_list(client: openai.OpenAI) -> None:
     assert len(lines) >= 2 and all(line.startswith("- ") for line in lines), text
 
 
-def test_aliases_and_tasks_reach_the_same_adapter(client: openai.OpenAI, base_model: str, gateway: LiveGateway) -> None:
-    by_name = client.chat.completions.with_raw_response.create(model="shout", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=16)
-    by_alias = client.chat.completions.with_raw_response.create(model="loud", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=16)
+def test_aliases_and_tasks_reach_the_same_adapter(
+    client: openai.OpenAI, base_model: str, gateway: LiveGateway
+) -> None:
+    by_name = client.chat.completions.with_raw_response.create(
+        model="shout", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=16
+    )
+    by_alias = client.chat.completions.with_raw_response.create(
+        model="loud", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=16
+    )
     by_task = client.chat.completions.with_raw_response.create(
-        model=base_model, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=16, extra_body={"task": "shouting"}
+        model=base_model,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=16,
+        extra_body={"task": "shouting"},
     )
     digests = {r.headers["x-adapter-digest"] for r in (by_name, by_alias, by_task)}
     assert len(digests) == 1
@@ -75,7 +90,12 @@ def test_house_chat_routes_by_task(gateway: LiveGateway) -> None:
 def test_models_show_kind_digest_rank(gateway: LiveGateway) -> None:
     cards = {m["id"]: m for m in gateway.client().get("/v1/models").json()["data"]}
     shout = cards["shout"]
-    assert shout["kind"] == "lora" and shout["rank"] == 8 and len(shout["digest"]) == 64 and shout["status"] == "ready"
+    assert (
+        shout["kind"] == "lora"
+        and shout["rank"] == 8
+        and len(shout["digest"]) == 64
+        and shout["status"] == "ready"
+    )
     assert cards["loud"]["digest"] == shout["digest"] and cards["loud"]["alias_of"] == "shout"
     assert cards["concise"]["kind"] == "preset" and cards["concise"]["digest"] is None
     r = gateway.client().post("/v1/chat/completions", json=chat_body("loud", "hi", max_tokens=2))
@@ -83,19 +103,32 @@ def test_models_show_kind_digest_rank(gateway: LiveGateway) -> None:
 
 
 def test_preset_applies_its_system_prompt(client: openai.OpenAI, base_model: str) -> None:
-    raw = client.chat.completions.with_raw_response.create(model="brief", messages=[{"role": "user", "content": QUESTION}])
+    raw = client.chat.completions.with_raw_response.create(
+        model="brief", messages=[{"role": "user", "content": QUESTION}]
+    )
     assert raw.headers["x-adapter"] == "concise"
     assert "x-adapter-digest" not in raw.headers
     r = raw.parse()
     assert r.model == "concise"
     assert r.usage is not None and r.usage.completion_tokens <= 48  # the preset's max_tokens default
-    base = client.chat.completions.create(model=base_model, messages=[{"role": "user", "content": QUESTION}], max_tokens=2)
+    base = client.chat.completions.create(
+        model=base_model, messages=[{"role": "user", "content": QUESTION}], max_tokens=2
+    )
     assert r.usage.prompt_tokens > base.usage.prompt_tokens  # type: ignore[union-attr]  # the system prompt is in
 
 
 @pytest.mark.parametrize(
     "name",
-    ["../shout", "/etc/passwd", "http://127.0.0.1:1/x", "file:///etc/passwd", "shout/../json", "adapters/shout", "..", "shout\x00"],
+    [
+        "../shout",
+        "/etc/passwd",
+        "http://127.0.0.1:1/x",
+        "file:///etc/passwd",
+        "shout/../json",
+        "adapters/shout",
+        "..",
+        "shout\x00",
+    ],
 )
 def test_path_like_names_are_404(gateway: LiveGateway, name: str) -> None:
     r = gateway.client().post("/v1/chat/completions", json=chat_body(name, "hi"))

@@ -13,13 +13,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def gateway(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, input=stdin, timeout=120
+        [sys.executable, "-m", "gateway", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=120,
     )
 
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["serve"], ["prepare-model"], ["adapters"], ["adapters", "list"], ["adapters", "validate"], ["chat"]],
+    [
+        [],
+        ["serve"],
+        ["prepare-model"],
+        ["adapters"],
+        ["adapters", "list"],
+        ["adapters", "validate"],
+        ["chat"],
+    ],
 )
 def test_help_everywhere(command: list[str]) -> None:
     done = gateway(*command, "--help")

@@ -358,7 +358,7 @@ def test_dockerfile_gpu_pins_vllm_that_pyproject_accepts() -> None:
     assert version and version.group(1) == "0.25.1"
     gpu = _stages()["gpu"]
     assert "${VLLM_VERSION}" in gpu[0][1]
-    assert any('vllm==${VLLM_VERSION}' in rest for word, rest in gpu if word == "RUN")
+    assert any("vllm==${VLLM_VERSION}" in rest for word, rest in gpu if word == "RUN")
     pyproject = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
     spec = pyproject["project"]["optional-dependencies"]["gpu"]
     vllm = next(Requirement(r) for r in spec if Requirement(r).name == "vllm")

@@ -25,13 +25,23 @@ def http(gateway: LiveGateway) -> httpx.Client:
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 100}', 400, "n"),
         (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -1}', 400, "top_p"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50}', 400, "logprobs"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e","f","g","h","i"]}', 400, "stop"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50}',
+            400,
+            "logprobs",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e","f","g","h","i"]}',
+            400,
+            "stop",
+        ),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', 400, "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, None),
     ],
 )
-def test_bad_chat_bodies(http: httpx.Client, base_model: str, content: bytes, status: int, param: str | None) -> None:
+def test_bad_chat_bodies(
+    http: httpx.Client, base_model: str, content: bytes, status: int, param: str | None
+) -> None:
     r = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
     err = assert_openai_error(r, status)
     assert err["type"] == "invalid_request_error"

@@ -21,7 +21,9 @@ from tests.integration.conftest import SINGLE_KEY, LiveGateway, start_gateway, s
 
 def long_story(model: str, **fields: object) -> dict[str, object]:
     """A request that runs for a long time (1500 tokens, no early stop), unless it is cut."""
-    return chat_body(model, "Write a long story.", **{"max_tokens": 1500, "ignore_eos": True, "temperature": 0, **fields})
+    return chat_body(
+        model, "Write a long story.", **{"max_tokens": 1500, "ignore_eos": True, "temperature": 0, **fields}
+    )
 
 
 def unfinished(gw: LiveGateway) -> int:
@@ -36,7 +38,12 @@ def inflight(gw: LiveGateway) -> int:
 @pytest.mark.parametrize("n", [1, 3])
 def test_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway, n: int) -> None:
     assert unfinished(gateway) == 0
-    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=long_story("base", stream=True, n=n, temperature=0.8)) as r:
+    with (
+        gateway.client() as http,
+        http.stream(
+            "POST", "/v1/chat/completions", json=long_story("base", stream=True, n=n, temperature=0.8)
+        ) as r,
+    ):
         content = (line for line in r.iter_lines() if '"delta":{"content"' in line)
         for _ in range(2 * n):
             next(content)
@@ -48,7 +55,10 @@ def test_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway, n: int) ->
 
 def test_house_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
     house = {"X-Stream-Format": "house"}
-    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=long_story("base"), headers=house) as r:
+    with (
+        gateway.client() as http,
+        http.stream("POST", "/v1/chat/completions", json=long_story("base"), headers=house) as r,
+    ):
         assert r.status_code == 200, r.read()
         data = (line for line in r.iter_lines() if line.startswith("data: {"))  # keep a reference:
         next(data)  # a dropped iterator closes the response, which is a disconnect
@@ -58,7 +68,11 @@ def test_house_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
 
 def test_non_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway) -> None:
     with pytest.raises(httpx.ReadTimeout):
-        gateway.client().post("/v1/chat/completions", json=long_story("shout", n=2, temperature=0.8), timeout=httpx.Timeout(60, read=1.5))
+        gateway.client().post(
+            "/v1/chat/completions",
+            json=long_story("shout", n=2, temperature=0.8),
+            timeout=httpx.Timeout(60, read=1.5),
+        )
     eventually(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
     still_serves(gateway, "shout")
 
@@ -89,7 +103,9 @@ def test_oversized_headers_are_refused(gateway: LiveGateway) -> None:
 
 def test_deeply_nested_json_is_400(gateway: LiveGateway) -> None:
     body = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    r = gateway.client().post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    r = gateway.client().post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     still_serves(gateway)
 
@@ -103,7 +119,14 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
     # Also the one gateway of the suite that logs prompts (server.log_prompts; off by default).
     gw = start_gateway(
         tmp_path_factory.mktemp("small"),
-        *("--set", f"limits.max_inflight={SMALL_BOUND}", "--set", "limits.drain_timeout_s=60", "--set", "server.log_prompts=true"),
+        *(
+            "--set",
+            f"limits.max_inflight={SMALL_BOUND}",
+            "--set",
+            "limits.drain_timeout_s=60",
+            "--set",
+            "server.log_prompts=true",
+        ),
     )
     yield gw
     stop_gateway(gw)
@@ -115,10 +138,14 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
 
     async def one(http: httpx.AsyncClient) -> None:
         r = await http.post("/v1/chat/completions", json=body)
-        outcomes.append((r.status_code, time.monotonic(), {**r.json(), "retry": r.headers.get("retry-after")}))
+        outcomes.append(
+            (r.status_code, time.monotonic(), {**r.json(), "retry": r.headers.get("retry-after")})
+        )
 
     limits = httpx.Limits(max_connections=100)
-    async with httpx.AsyncClient(base_url=small.url, headers=small.headers, timeout=300, limits=limits) as http:
+    async with httpx.AsyncClient(
+        base_url=small.url, headers=small.headers, timeout=300, limits=limits
+    ) as http:
         await asyncio.gather(*(one(http) for _ in range(10 * SMALL_BOUND)))
     ok = [o for o in outcomes if o[0] == 200]
     refused = [o for o in outcomes if o[0] == 429]
@@ -145,7 +172,9 @@ def test_prompts_are_logged_when_enabled(small: LiveGateway) -> None:
         found = logged()
         return found if len(found) >= 2 else []
 
-    lines = eventually(both_logged, 5, "prompts in the access log", lambda: f"found: {logged()}", interval=0.1)
+    lines = eventually(
+        both_logged, 5, "prompts in the access log", lambda: f"found: {logged()}", interval=0.1
+    )
     assert lines[0]["prompt"] == [{"role": "user", "content": f"Remember {secret}"}]
     assert lines[1]["prompt"] == f"House {secret}"
 
@@ -183,7 +212,12 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for t in threads:
         t.start()
-    detail = lambda: f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"  # noqa: E731
+
+    def detail() -> str:
+        return (
+            f"in flight seen: {sorted(set(seen))}; finished: {[r[:300] for r in results]}\n{small.log_tail()}"
+        )
+
     eventually(three_in_flight, 30, "three requests in flight", detail)
     small.process.send_signal(signal.SIGTERM)
 
@@ -193,7 +227,9 @@ def test_sigterm_drains_in_flight_requests_then_stops(small: LiveGateway) -> Non
         except httpx.TransportError as exc:  # say what the gateway did, not just that it is gone
             for t in threads:
                 t.join(20)
-            raise AssertionError(f"/ready: {exc!r}; gateway exit code {small.process.poll()}; {detail()}") from exc
+            raise AssertionError(
+                f"/ready: {exc!r}; gateway exit code {small.process.poll()}; {detail()}"
+            ) from exc
 
     eventually(lambda: ready_status() == 503, 3, "/ready turns 503 at once", detail)
     assert inflight(small) >= 1, "the streams were still running when /ready turned 503"
@@ -227,7 +263,11 @@ def test_health_answers_while_the_engine_starts_and_sigterm_stops_the_start(
         ready = httpx.get(gw.url + "/ready", timeout=5)
         assert (ready.status_code, ready.json()) == (503, {"status": "starting"})
         r = gw.client().post("/v1/chat/completions", json=chat_body("base", "hi"))
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"]
+        assert (
+            r.status_code == 503
+            and r.json()["error"]["type"] == "service_unavailable"
+            and r.headers["retry-after"]
+        )
         gw.process.send_signal(signal.SIGTERM)
         assert gw.process.wait(300) == 0, gw.log_tail()
         time.sleep(1)
@@ -250,7 +290,9 @@ def test_engine_death_fails_streams_reports_503_and_exits(tmp_path_factory: pyte
     try:
         with gw.client() as http:
             openai_stream = http.stream("POST", "/v1/chat/completions", json=long_story("base", stream=True))
-            house_stream = http.stream("POST", "/v1/chat/completions", json=long_story("base"), headers={"X-Stream-Format": "house"})
+            house_stream = http.stream(
+                "POST", "/v1/chat/completions", json=long_story("base"), headers={"X-Stream-Format": "house"}
+            )
             with openai_stream as r1, house_stream as r2:
                 lines1, lines2 = r1.iter_lines(), r2.iter_lines()
                 next(lines1), next(lines2)

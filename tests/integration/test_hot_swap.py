@@ -54,7 +54,10 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
     stop = asyncio.Event()
     results: list[Outcome] = []
     swaps: list[float] = []  # when each edit was written
-    workers = [asyncio.create_task(load(gateway, ["shout", "json", "concise", "base"], stop, results)) for _ in range(3)]
+    workers = [
+        asyncio.create_task(load(gateway, ["shout", "json", "concise", "base"], stop, results))
+        for _ in range(3)
+    ]
     try:
         await asyncio.sleep(1.0)
         # 1. A new route appears within the deadline.
@@ -71,7 +74,9 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         swaps.append(time.monotonic())
         for name in ("adapter_config.json", "adapter_model.safetensors"):
             shutil.copy(gateway.adapters_root / "json" / name, hot / name)
-        await eventually_async(lambda: models(gateway)["hot"]["digest"] != first_digest, SWAP_DEADLINE_S, "a new digest")
+        await eventually_async(
+            lambda: models(gateway)["hot"]["digest"] != first_digest, SWAP_DEADLINE_S, "a new digest"
+        )
         assert models(gateway)["hot"]["digest"] == models(gateway)["json"]["digest"]
         await asyncio.sleep(1.5)
 
@@ -79,10 +84,16 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         #    a broken edit after it keeps the table from before both and reports the error.
         swaps.append(time.monotonic())
         gateway.catalog.write_text("")
-        await eventually_async(lambda: "empty" in str(admin(gateway)["last_error"]), SWAP_DEADLINE_S, "the empty file reported")
+        await eventually_async(
+            lambda: "empty" in str(admin(gateway)["last_error"]), SWAP_DEADLINE_S, "the empty file reported"
+        )
         assert "hot" in models(gateway)
         gateway.catalog.write_text("routes: [this is not yaml\n")
-        await eventually_async(lambda: "empty" not in str(admin(gateway)["last_error"]), SWAP_DEADLINE_S, "the broken file reported")
+        await eventually_async(
+            lambda: "empty" not in str(admin(gateway)["last_error"]),
+            SWAP_DEADLINE_S,
+            "the broken file reported",
+        )
         assert admin(gateway)["last_error"] is not None
         assert "hot" in models(gateway)
         await asyncio.sleep(1.0)
@@ -103,7 +114,9 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
     failures = [r for r in results if r[1] != 200]
     assert failures == [], failures[:5]
     for moment in swaps:  # every edit landed while requests were running
-        assert any(start <= moment <= end for _, _, _, start, end in results), "no request in flight at a swap"
+        assert any(start <= moment <= end for _, _, _, start, end in results), (
+            "no request in flight at a swap"
+        )
     assert {"shout", "json", "hot"} <= {r[0] for r in results}
 
     # 5. Drained: the engine holds exactly the live versions, no leftover ids.
@@ -111,7 +124,9 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         state = admin(gateway)
         return set(state["engine_loras"]) == set(state["live_loras"]) and not state["in_use"]  # type: ignore[arg-type]
 
-    await eventually_async(no_leftovers, 10, "the engine holds only the live adapters", lambda: str(admin(gateway)))
+    await eventually_async(
+        no_leftovers, 10, "the engine holds only the live adapters", lambda: str(admin(gateway))
+    )
 
 
 def test_admin_reload_endpoint(gateway: LiveGateway) -> None:
@@ -139,5 +154,7 @@ def test_a_bad_entry_is_rejected_and_the_rest_serve(gateway: LiveGateway, entry:
 async def test_sighup_reloads_even_without_a_file_change(gateway: LiveGateway) -> None:
     before = admin(gateway)["reloads"]
     gateway.process.send_signal(signal.SIGHUP)
-    await eventually_async(lambda: admin(gateway)["reloads"] == before + 1, SWAP_DEADLINE_S, "a reload on SIGHUP")  # type: ignore[operator]
+    await eventually_async(
+        lambda: admin(gateway)["reloads"] == before + 1, SWAP_DEADLINE_S, "a reload on SIGHUP"
+    )  # type: ignore[operator]
     assert gateway.process.poll() is None  # SIGHUP reloads; it does not stop the gateway

@@ -37,13 +37,27 @@ def test_metrics_count_requests_tokens_and_latency_by_route(gateway: LiveGateway
     chat(gateway, "shout")
     chat(gateway, "loud", stream=True)
     after = scrape(gateway)
-    assert value(after, "gateway_requests_total", route="shout", status="200", stream="false") == value(before, "gateway_requests_total", route="shout", status="200", stream="false") + 1
-    assert value(after, "gateway_requests_total", route="shout", status="200", stream="true") == value(before, "gateway_requests_total", route="shout", status="200", stream="true") + 1
-    assert value(after, "gateway_completion_tokens_total", route="shout") - value(before, "gateway_completion_tokens_total", route="shout") == 8
-    assert value(after, "gateway_prompt_tokens_total", route="shout") > value(before, "gateway_prompt_tokens_total", route="shout")
+    assert (
+        value(after, "gateway_requests_total", route="shout", status="200", stream="false")
+        == value(before, "gateway_requests_total", route="shout", status="200", stream="false") + 1
+    )
+    assert (
+        value(after, "gateway_requests_total", route="shout", status="200", stream="true")
+        == value(before, "gateway_requests_total", route="shout", status="200", stream="true") + 1
+    )
+    assert (
+        value(after, "gateway_completion_tokens_total", route="shout")
+        - value(before, "gateway_completion_tokens_total", route="shout")
+        == 8
+    )
+    assert value(after, "gateway_prompt_tokens_total", route="shout") > value(
+        before, "gateway_prompt_tokens_total", route="shout"
+    )
     for hist in ("gateway_time_to_first_token_seconds_count", "gateway_request_duration_seconds_count"):
         assert value(after, hist, route="shout") == value(before, hist, route="shout") + 2
-    assert value(after, "gateway_inter_token_latency_seconds_count", route="shout") > value(before, "gateway_inter_token_latency_seconds_count", route="shout")
+    assert value(after, "gateway_inter_token_latency_seconds_count", route="shout") > value(
+        before, "gateway_inter_token_latency_seconds_count", route="shout"
+    )
     assert value(after, "gateway_engine_up") == 1
     assert "gateway_inflight_requests" in after and "gateway_engine_queued_requests" in after
     assert re.search(r"^vllm:", after, re.M), "vLLM's own metrics are exposed too"
@@ -66,13 +80,20 @@ def test_reloads_are_counted(gateway: LiveGateway) -> None:
 
 
 def access_lines(gw: LiveGateway) -> list[dict[str, object]]:
-    return [json.loads(line) for line in gw.log.read_text(errors="replace").splitlines() if line.startswith('{"request_id"')]
+    return [
+        json.loads(line)
+        for line in gw.log.read_text(errors="replace").splitlines()
+        if line.startswith('{"request_id"')
+    ]
 
 
 def access_line(gw: LiveGateway, request_id: str) -> dict[str, object]:
     """The one access-log line of ``request_id`` (it is written as the response ends)."""
     mine = eventually(
-        lambda: [line for line in access_lines(gw) if line["request_id"] == request_id], 5, "an access-log line for the request", interval=0.1
+        lambda: [line for line in access_lines(gw) if line["request_id"] == request_id],
+        5,
+        "an access-log line for the request",
+        interval=0.1,
     )
     assert len(mine) == 1
     return mine[0]
@@ -88,7 +109,10 @@ def test_one_json_log_line_per_request_without_prompt_text(gateway: LiveGateway)
     assert line["route"] == "json" and line["status"] == 200 and line["stream"] is False
     assert line["adapter_digest"] == r.headers["x-adapter-digest"]
     usage = r.json()["usage"]
-    assert line["prompt_tokens"] == usage["prompt_tokens"] and line["completion_tokens"] == usage["completion_tokens"]
+    assert (
+        line["prompt_tokens"] == usage["prompt_tokens"]
+        and line["completion_tokens"] == usage["completion_tokens"]
+    )
     assert isinstance(line["ttft_ms"], float) and line["duration_ms"] >= line["ttft_ms"]  # type: ignore[operator]
     assert line["client_disconnected"] is False
     assert secret not in gateway.log.read_text(errors="replace")
@@ -97,7 +121,10 @@ def test_one_json_log_line_per_request_without_prompt_text(gateway: LiveGateway)
 def test_a_disconnect_is_logged(gateway: LiveGateway) -> None:
     request_id = f"test-{uuid.uuid4().hex}"
     body = chat_body("base", "Story?", max_tokens=500, ignore_eos=True, stream=True)
-    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r:
+    with (
+        gateway.client() as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r,
+    ):
         lines = r.iter_lines()
         next(lines)
     line = access_line(gateway, request_id)
@@ -109,7 +136,10 @@ def test_a_stream_read_to_the_end_is_not_logged_as_a_disconnect(gateway: LiveGat
     # http.disconnect once a response is complete); that is not a client leaving early.
     request_id = f"test-{uuid.uuid4().hex}"
     body = chat_body("base", max_tokens=4, ignore_eos=True, stream=True)
-    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r:
+    with (
+        gateway.client() as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as r,
+    ):
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     line = access_line(gateway, request_id)

@@ -59,17 +59,30 @@ def test_stream_equals_non_stream_when_greedy(client: openai.OpenAI, base_model:
 
 
 def test_max_completion_tokens_and_stop(client: openai.OpenAI, base_model: str) -> None:
-    r = client.chat.completions.create(model=base_model, messages=QUESTION, max_completion_tokens=3, temperature=0)  # type: ignore[arg-type]
+    r = client.chat.completions.create(
+        model=base_model, messages=QUESTION, max_completion_tokens=3, temperature=0
+    )  # type: ignore[arg-type]
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"  # type: ignore[union-attr]
     full = client.chat.completions.create(model=base_model, messages=QUESTION, max_tokens=20, temperature=0)  # type: ignore[arg-type]
     word = (full.choices[0].message.content or "").split()[1]
-    cut = client.chat.completions.create(model=base_model, messages=QUESTION, max_tokens=20, temperature=0, stop=[word])  # type: ignore[arg-type]
+    cut = client.chat.completions.create(
+        model=base_model, messages=QUESTION, max_tokens=20, temperature=0, stop=[word]
+    )  # type: ignore[arg-type]
     assert word not in (cut.choices[0].message.content or "")
     assert cut.choices[0].finish_reason == "stop"
 
 
 def test_n_seed_and_logprobs(client: openai.OpenAI, base_model: str) -> None:
-    kwargs = dict(model=base_model, messages=QUESTION, max_tokens=8, temperature=1.0, seed=123, n=2, logprobs=True, top_logprobs=2)
+    kwargs = dict(
+        model=base_model,
+        messages=QUESTION,
+        max_tokens=8,
+        temperature=1.0,
+        seed=123,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
     a = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     b = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     assert [c.index for c in a.choices] == [0, 1]
@@ -81,23 +94,42 @@ def test_n_seed_and_logprobs(client: openai.OpenAI, base_model: str) -> None:
 
 def test_penalties_and_user_are_accepted(client: openai.OpenAI, base_model: str) -> None:
     r = client.chat.completions.create(
-        model=base_model, messages=QUESTION, max_tokens=4, presence_penalty=0.5, frequency_penalty=0.5, user="u-1", top_p=0.9  # type: ignore[arg-type]
+        model=base_model,
+        messages=QUESTION,
+        max_tokens=4,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="u-1",
+        top_p=0.9,  # type: ignore[arg-type]
     )
     assert r.choices[0].message.content is not None
 
 
 def test_completions(client: openai.OpenAI, base_model: str) -> None:
-    r = client.completions.create(model=base_model, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1)
+    r = client.completions.create(
+        model=base_model, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1
+    )
     assert r.object == "text_completion"
     assert r.choices[0].text.strip()
-    assert r.choices[0].logprobs is not None and len(r.choices[0].logprobs.tokens or []) == r.usage.completion_tokens  # type: ignore[union-attr]
-    chunks = list(client.completions.create(model=base_model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    assert (
+        r.choices[0].logprobs is not None
+        and len(r.choices[0].logprobs.tokens or []) == r.usage.completion_tokens
+    )  # type: ignore[union-attr]
+    chunks = list(
+        client.completions.create(
+            model=base_model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
 async def test_async_client_streaming_and_not(aclient: openai.AsyncOpenAI, base_model: str) -> None:
-    whole = await aclient.chat.completions.create(model=base_model, messages=QUESTION, max_tokens=10, temperature=0)  # type: ignore[arg-type]
-    stream = await aclient.chat.completions.create(model=base_model, messages=QUESTION, max_tokens=10, temperature=0, stream=True)  # type: ignore[arg-type]
+    whole = await aclient.chat.completions.create(
+        model=base_model, messages=QUESTION, max_tokens=10, temperature=0
+    )  # type: ignore[arg-type]
+    stream = await aclient.chat.completions.create(
+        model=base_model, messages=QUESTION, max_tokens=10, temperature=0, stream=True
+    )  # type: ignore[arg-type]
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == whole.choices[0].message.content
     models = [m.id async for m in aclient.models.list()]

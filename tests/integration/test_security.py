@@ -22,7 +22,14 @@ def raw_request(gw: LiveGateway, head: str, body: bytes = b"") -> tuple[int, byt
             data += chunk
             if b"\r\n\r\n" in data:
                 head_part, _, rest = data.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head_part.split(b"\r\n") if line.lower().startswith(b"content-length")), None)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head_part.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    None,
+                )
                 if length is not None and len(rest) >= length:
                     break
     status = int(data.split(b" ", 2)[1])
@@ -34,7 +41,10 @@ def test_public_paths_need_no_key(gateway: LiveGateway) -> None:
     assert httpx.get(gateway.url + "/ready").status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/shout", "/admin/adapters", "/admin/status", "/v1/nothing", "/", "/metrics"])
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/models", "/v1/models/shout", "/admin/adapters", "/admin/status", "/v1/nothing", "/", "/metrics"],
+)
 def test_everything_else_needs_a_key(gateway: LiveGateway, path: str) -> None:
     r = httpx.get(gateway.url + path)
     assert r.status_code == 401
@@ -71,7 +81,11 @@ def test_host_and_path_tricks_do_not_bypass_auth(gateway: LiveGateway, head: str
     assert b'"data"' not in body and b"routes" not in body  # nothing protected leaked
     post = head.replace("GET", "POST").replace("/v1/models", "/v1/chat/completions", 1)
     payload = b'{"model":"shout","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
-    status, body = raw_request(gateway, post + f"\nContent-Type: application/json\nContent-Length: {len(payload)}\nConnection: close\n", payload)
+    status, body = raw_request(
+        gateway,
+        post + f"\nContent-Type: application/json\nContent-Length: {len(payload)}\nConnection: close\n",
+        payload,
+    )
     assert status in (400, 401, 404, 405), (status, body[:200])
     assert b"choices" not in body
 
@@ -85,16 +99,26 @@ def test_admin_needs_an_admin_key(gateway: LiveGateway) -> None:
 
 def test_a_key_limited_to_routes_sees_only_those(gateway: LiveGateway, base_model: str) -> None:
     client = openai.OpenAI(base_url=gateway.v1, api_key=SHOUT_ONLY_KEY, max_retries=0)
-    ok = client.chat.completions.create(model="loud", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    ok = client.chat.completions.create(
+        model="loud", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert ok.model == "shout"
     for other in ("json", base_model, "concise"):
         with pytest.raises(openai.NotFoundError) as info:
-            client.chat.completions.create(model=other, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            client.chat.completions.create(
+                model=other, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
         assert info.value.code == "model_not_found"  # as if the route did not exist
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model=base_model, messages=[{"role": "user", "content": "hi"}], extra_body={"task": "extract"})
+        client.chat.completions.create(
+            model=base_model, messages=[{"role": "user", "content": "hi"}], extra_body={"task": "extract"}
+        )
     assert {m.id for m in client.models.list()} == {"shout", "loud", "caps"}
-    r = httpx.post(gateway.url + "/chat", json={"question": "hi", "model": "json"}, headers={"Authorization": f"Bearer {SHOUT_ONLY_KEY}"})
+    r = httpx.post(
+        gateway.url + "/chat",
+        json={"question": "hi", "model": "json"},
+        headers={"Authorization": f"Bearer {SHOUT_ONLY_KEY}"},
+    )
     assert r.status_code == 404
 
 

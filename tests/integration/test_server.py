@@ -65,7 +65,9 @@ class Server:
         script = tmp_path / "app.py"
         script.write_text(APP)
         self.url = f"http://127.0.0.1:{port}"
-        self.process = subprocess.Popen([sys.executable, str(script), str(port)], cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), str(port)], cwd=ROOT, env={"PYTHONPATH": str(ROOT)}
+        )
         self.streams: list[str] = []
         self.threads: list[threading.Thread] = []
 

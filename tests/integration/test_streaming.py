@@ -58,7 +58,9 @@ def http(gateway: LiveGateway) -> httpx.Client:
     return gateway.client()
 
 
-def test_house_chat_endpoint_streams_as_generated(gateway: LiveGateway, http: httpx.Client, base_model: str) -> None:
+def test_house_chat_endpoint_streams_as_generated(
+    gateway: LiveGateway, http: httpx.Client, base_model: str
+) -> None:
     body = {"question": QUESTION, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     unfinished: list[int] = []
     with http.stream("POST", "/chat", json=body) as r:
@@ -70,7 +72,9 @@ def test_house_chat_endpoint_streams_as_generated(gateway: LiveGateway, http: ht
     assert len(events) > 5
     assert house_texts(events)
     # Streamed, not buffered: the first delta was out while the engine was still generating.
-    assert unfinished[0] >= 1, "the generation had ended before the first event arrived: the response was buffered"
+    assert unfinished[0] >= 1, (
+        "the generation had ended before the first event arrived: the response was buffered"
+    )
 
 
 def test_house_header_on_chat_completions_matches_openai_text(http: httpx.Client, base_model: str) -> None:
@@ -84,7 +88,13 @@ def test_house_header_on_chat_completions_matches_openai_text(http: httpx.Client
 
 
 def test_house_data_is_utf8_not_escaped(http: httpx.Client, base_model: str) -> None:
-    body = chat_body(base_model, "Écris une phrase en français sur l'été à Orléans.", max_tokens=40, temperature=0, stream=True)
+    body = chat_body(
+        base_model,
+        "Écris une phrase en français sur l'été à Orléans.",
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
     with http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Stream-Format": "house"}) as r:
         raw = r.read()
     assert b"\\u" not in raw  # json.dumps(ensure_ascii=False): non-ASCII goes out as UTF-8 bytes
@@ -106,7 +116,9 @@ def test_openai_sse_framing(gateway: LiveGateway, http: httpx.Client, base_model
     assert chunks[1]["choices"][0]["delta"]["content"]  # event 1 carries generated text
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     # Streamed, not buffered: the first content was out while the engine was still generating.
-    assert unfinished[0] >= 1, "the generation had ended before the first content arrived: the response was buffered"
+    assert unfinished[0] >= 1, (
+        "the generation had ended before the first content arrived: the response was buffered"
+    )
 
 
 def test_house_rejects_n_above_one(http: httpx.Client, base_model: str) -> None:

@@ -29,7 +29,6 @@ async def test_a_batch_gives_each_prompt_the_ids_it_gets_alone(tokenizer: object
     tok = PromptTokenizer(lambda: tokenizer)
     results = await queued_behind_a_gate(tok, [(t, i % 3 == 0) for i, t in enumerate(texts)])
     assert tok.batches == 2  # one batch per add_special_tokens value
-    for i, (text, ids) in enumerate(zip(texts, results[1:])):
+    for i, (text, ids) in enumerate(zip(texts, results[1:], strict=True)):
         assert ids == tokenizer.encode(text, add_special_tokens=i % 3 == 0)  # type: ignore[attr-defined]
     assert results[1][0] == 2 and results[2][0] != 2  # <bos> only where asked for
-

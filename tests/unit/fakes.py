@@ -115,7 +115,9 @@ class FakeEngine:
                     raise EngineUnavailable("the engine has stopped")
                 last = i == len(words) - 1
                 reason = ("length" if len(words) == sampling.max_tokens else "stop") if last else None
-                chunks = [Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)]
+                chunks = [
+                    Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)
+                ]
                 yield StepOutput(chunks=chunks, prompt_tokens=len(prompt_ids), finished=last)
         finally:
             self.running -= 1

@@ -13,8 +13,15 @@ from bench import report
 
 def _point(target: str, tok_s: float, n: int, mix: str = "base", c: int = 4) -> dict[str, Any]:
     return {
-        "target": target, "mix": mix, "concurrency": c, "pass": n, "out_tok_per_s": tok_s,
-        "ttft_ms_p50": 10.0, "itl_ms_p50": 1.0, "tpot_ms_p50": 1.0, "duration_s": 10.0,
+        "target": target,
+        "mix": mix,
+        "concurrency": c,
+        "pass": n,
+        "out_tok_per_s": tok_s,
+        "ttft_ms_p50": 10.0,
+        "itl_ms_p50": 1.0,
+        "tpot_ms_p50": 1.0,
+        "duration_s": 10.0,
     }
 
 
@@ -59,11 +66,20 @@ def test_merge_numbers_a_later_runs_passes_after_the_earlier_ones() -> None:
     merged = report.merge([first, second])
     passes = sorted((p["target"], p["pass"], p["out_tok_per_s"]) for p in merged["points"])
     assert passes == [
-        ("gateway", 1, 45.0), ("gateway", 2, 55.0), ("gateway", 3, 65.0),
-        ("vllm", 1, 40.0), ("vllm", 2, 50.0), ("vllm", 3, 60.0),
+        ("gateway", 1, 45.0),
+        ("gateway", 2, 55.0),
+        ("gateway", 3, 65.0),
+        ("vllm", 1, 40.0),
+        ("vllm", 2, 50.0),
+        ("vllm", 3, 60.0),
     ]
     assert {k: v["startup_s"] for k, v in merged["servers"].items()} == {
-        "vllm": 1, "gateway": 2, "vllm-2": 3, "gateway-2": 4, "vllm-3": 5, "gateway-3": 6
+        "vllm": 1,
+        "gateway": 2,
+        "vllm-2": 3,
+        "gateway-2": 4,
+        "vllm-3": 5,
+        "gateway-3": 6,
     }
     assert report.compare(merged)[0]["tok_ratio"] == pytest.approx(55 / 50)
 
@@ -91,8 +107,13 @@ def test_the_gateway_is_measured_against_the_faster_no_http_loop() -> None:
     assert row["ceiling_target"] == "offline"
     assert row["gateway_of_ceiling"] == pytest.approx(0.93)
     assert row["vllm_of_ceiling"] == pytest.approx(0.80)
-    moonshot = [(goal, ok, detail) for goal, ok, detail in report.goals(result, [row]) if goal.startswith("moonshot")]
-    assert [(ok, detail) for _, ok, detail in moonshot] == [(False, "worst 0.930 (base)"), (True, "worst 1.033 (base)")]
+    moonshot = [
+        (goal, ok, detail) for goal, ok, detail in report.goals(result, [row]) if goal.startswith("moonshot")
+    ]
+    assert [(ok, detail) for _, ok, detail in moonshot] == [
+        (False, "worst 0.930 (base)"),
+        (True, "worst 1.033 (base)"),
+    ]
     assert "offline generate" in moonshot[0][0] and "AsyncLLM" in moonshot[1][0]  # one line per bound
     result["points"] = [p for p in result["points"] if p["target"] != "offline"]
     row = report.compare(result)[0]

@@ -15,10 +15,17 @@ from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
 MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
 
 
-def make_adapter(root: Path, name: str, *, rank: int = 8, base: str = "base-model", targets: list[str] | None = None) -> Path:
+def make_adapter(
+    root: Path, name: str, *, rank: int = 8, base: str = "base-model", targets: list[str] | None = None
+) -> Path:
     path = root / name
     path.mkdir(parents=True)
-    config = {"r": rank, "lora_alpha": 16, "target_modules": targets or ["q_proj", "v_proj"], "base_model_name_or_path": base}
+    config = {
+        "r": rank,
+        "lora_alpha": 16,
+        "target_modules": targets or ["q_proj", "v_proj"],
+        "base_model_name_or_path": base,
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))
     (path / "adapter_model.safetensors").write_bytes(b"weights-" + name.encode())
     return path
@@ -58,7 +65,13 @@ routes:
 
 
 def table_for(tmp_path: Path, root: Path, text: str = CATALOG, **kw: object) -> RoutingTable:
-    opts: dict[str, object] = dict(base_name="base-model", adapters_root=root, max_lora_rank=16, model_modules=MODULES, lora_ids=LoraIds())
+    opts: dict[str, object] = dict(
+        base_name="base-model",
+        adapters_root=root,
+        max_lora_rank=16,
+        model_modules=MODULES,
+        lora_ids=LoraIds(),
+    )
     opts.update(kw)
     return load_table(write_catalog(tmp_path, text), **opts)  # type: ignore[arg-type]
 
@@ -77,7 +90,9 @@ def test_names_aliases_and_tasks_reach_the_same_route(tmp_path: Path, root: Path
     assert table.resolve("concise").system_prompt == "Answer in one sentence."
 
 
-@pytest.mark.parametrize("name", ["nope", "../shout", "/etc/passwd", "http://evil/x", "shout/../json", "SHOUT", ""])
+@pytest.mark.parametrize(
+    "name", ["nope", "../shout", "/etc/passwd", "http://evil/x", "shout/../json", "SHOUT", ""]
+)
 def test_unknown_and_path_like_names_are_404(tmp_path: Path, root: Path, name: str) -> None:
     table = table_for(tmp_path, root)
     if name == "":
@@ -121,7 +136,9 @@ def test_defaults_are_carried(tmp_path: Path, root: Path) -> None:
         ("noweights", "missing adapter_model.safetensors"),
     ],
 )
-def test_bad_entries_are_rejected_and_the_rest_serve(tmp_path: Path, root: Path, adapter: str, reason: str) -> None:
+def test_bad_entries_are_rejected_and_the_rest_serve(
+    tmp_path: Path, root: Path, adapter: str, reason: str
+) -> None:
     outside = make_adapter(tmp_path / "elsewhere", "outside")
     os.symlink(outside, root / "escape")
     make_adapter(root, "bigrank", rank=64)
@@ -156,7 +173,9 @@ def test_broken_catalog_file_raises_one_line(tmp_path: Path, root: Path) -> None
 
 
 @pytest.mark.parametrize("text", ["", "   \n\n"])
-def test_an_empty_catalog_file_is_an_error_not_an_empty_catalog(tmp_path: Path, root: Path, text: str) -> None:
+def test_an_empty_catalog_file_is_an_error_not_an_empty_catalog(
+    tmp_path: Path, root: Path, text: str
+) -> None:
     with pytest.raises(ConfigError, match="the file is empty"):
         table_for(tmp_path, root, text)
     assert table_for(tmp_path, root, "routes: []\n").routes == {}  # no routes, said on purpose
@@ -176,7 +195,14 @@ def live_catalog(tmp_path: Path, root: Path, removed: list[int]) -> tuple[Catalo
         removed.append(lora_id)
 
     def build(ids: LoraIds) -> RoutingTable:
-        return load_table(path, base_name="base-model", adapters_root=root, max_lora_rank=16, model_modules=MODULES, lora_ids=ids)
+        return load_table(
+            path,
+            base_name="base-model",
+            adapters_root=root,
+            max_lora_rank=16,
+            model_modules=MODULES,
+            lora_ids=ids,
+        )
 
     return Catalog(build, remove), path
 

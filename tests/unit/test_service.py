@@ -22,7 +22,11 @@ PRESET = Route(
 def setup(engine: FakeEngine | None = None) -> tuple[ChatService, Catalog, FakeEngine]:
     engine = engine or FakeEngine()
     table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"concise": PRESET}, errors={})
-    return ChatService(engine, LimitSettings(max_n=4, max_stop=2, max_logprobs=5)), Catalog(lambda ids: table), engine
+    return (
+        ChatService(engine, LimitSettings(max_n=4, max_stop=2, max_logprobs=5)),
+        Catalog(lambda ids: table),
+        engine,
+    )
 
 
 def chat(**kw: object) -> ChatCompletionRequest:
@@ -45,7 +49,11 @@ async def test_route_system_prompt_and_defaults_apply() -> None:
 
 async def test_request_values_override_route_defaults() -> None:
     service, catalog, engine = setup()
-    req = chat(temperature=0.9, max_tokens=7, messages=[{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}])
+    req = chat(
+        temperature=0.9,
+        max_tokens=7,
+        messages=[{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}],
+    )
     await (await service.chat(req, catalog.acquire("concise"))).collect()
     prompt_ids, sampling, _, _ = engine.calls[0]
     assert sampling.temperature == 0.9 and sampling.max_tokens == 7
@@ -54,7 +62,12 @@ async def test_request_values_override_route_defaults() -> None:
 
 async def test_text_parts_are_joined() -> None:
     service, catalog, engine = setup()
-    req = chat(model="base-model", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    req = chat(
+        model="base-model",
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
+    )
     await (await service.chat(req, catalog.acquire("base-model"))).collect()
     assert "".join(map(chr, engine.calls[0][0])) == "user:ab\nmodel:"
 
@@ -99,8 +112,12 @@ async def test_logprobs_cap() -> None:
 
 async def test_completion_with_token_ids_and_text() -> None:
     service, catalog, engine = setup()
-    await (await service.complete(CompletionRequest(model="base-model", prompt=[5, 6, 7]), catalog.acquire(None))).collect()
-    await (await service.complete(CompletionRequest(model="base-model", prompt="ab"), catalog.acquire(None))).collect()
+    await (
+        await service.complete(CompletionRequest(model="base-model", prompt=[5, 6, 7]), catalog.acquire(None))
+    ).collect()
+    await (
+        await service.complete(CompletionRequest(model="base-model", prompt="ab"), catalog.acquire(None))
+    ).collect()
     assert engine.calls[0][0] == [5, 6, 7]
     assert engine.calls[1][0] == [2, 97, 98]  # text gets <bos>
 

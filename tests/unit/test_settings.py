@@ -52,7 +52,15 @@ def test_env_beats_yaml(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
 def test_cli_beats_env(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
     env.setenv("GATEWAY_ENGINE__MAX_NUM_SEQS", "11")
     args = build_parser().parse_args(
-        ["serve", "--config", str(yaml_file), "--max-num-seqs", "3", "--set", "engine.engine_args.enforce_eager=true"]
+        [
+            "serve",
+            "--config",
+            str(yaml_file),
+            "--max-num-seqs",
+            "3",
+            "--set",
+            "engine.engine_args.enforce_eager=true",
+        ]
     )
     s = load_settings(_overrides(args))
     assert s.engine.max_num_seqs == 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from gateway.catalog import Catalog, LoraIds, Route, RoutingTable
-from gateway.types import Chunk, SamplingSpec, StepOutput, TokenLogprob
 from gateway.errors import EngineUnavailable
 from gateway.service import Generation
 from gateway.sse import (
@@ -15,6 +14,7 @@ from gateway.sse import (
     chat_logprobs,
     encode_stream,
 )
+from gateway.types import Chunk, SamplingSpec, StepOutput, TokenLogprob
 from tests.unit.fakes import FakeEngine
 
 
@@ -37,17 +37,23 @@ async def collect(gen: Generation, encoder: object) -> bytes:
 async def test_house_format_is_byte_exact_and_utf8() -> None:
     gen = make_gen(FakeEngine(words=["Où", " est", " 東京?"]))
     raw = await collect(gen, HouseEncoder(gen))
-    assert raw == (
-        'event: message\ndata: {"text": "Où"}\n\n'
-        'event: message\ndata: {"text": " est"}\n\n'
-        'event: message\ndata: {"text": " 東京?"}\n\n'
-        "event: done\ndata: [DONE]\n\n"
-    ).encode("utf-8")
+    assert (
+        raw
+        == (
+            'event: message\ndata: {"text": "Où"}\n\n'
+            'event: message\ndata: {"text": " est"}\n\n'
+            'event: message\ndata: {"text": " 東京?"}\n\n'
+            "event: done\ndata: [DONE]\n\n"
+        ).encode()
+    )
 
 
 def test_house_error_event() -> None:
     gen = make_gen()
-    assert HouseEncoder(gen).error(EngineUnavailable("engine stopped")) == b'event: error\ndata: {"error": "engine stopped"}\n\n'
+    assert (
+        HouseEncoder(gen).error(EngineUnavailable("engine stopped"))
+        == b'event: error\ndata: {"error": "engine stopped"}\n\n'
+    )
 
 
 async def test_openai_chat_chunks_parse_and_end_with_done() -> None:
@@ -56,19 +62,28 @@ async def test_openai_chat_chunks_parse_and_end_with_done() -> None:
     parts = events(raw)
     assert parts[-1] == "data: [DONE]"
     chunks = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
-    assert all(c["id"] == gen.id and c["object"] == "chat.completion.chunk" and c["model"] == "json" for c in chunks)
+    assert all(
+        c["id"] == gen.id and c["object"] == "chat.completion.chunk" and c["model"] == "json" for c in chunks
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "Hello world!"
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
     assert all("usage" in c for c in chunks)
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+    }
 
 
 async def test_openai_chat_without_usage_has_no_usage_key() -> None:
     gen = make_gen()
-    chunks = [json.loads(p[6:]) for p in events(await collect(gen, OpenAIChatEncoder(gen, include_usage=False)))[:-1]]
+    chunks = [
+        json.loads(p[6:])
+        for p in events(await collect(gen, OpenAIChatEncoder(gen, include_usage=False)))[:-1]
+    ]
     assert all("usage" not in c for c in chunks)
 
 
@@ -101,17 +116,25 @@ async def test_engine_failure_mid_stream_becomes_an_error_event() -> None:
     assert error["error"]["type"] == "service_unavailable"
     assert error["error"]["message"] == "the engine has stopped"
     gen2 = make_gen(Dying())
-    assert events(await collect(gen2, HouseEncoder(gen2)))[-1] == 'event: error\ndata: {"error": "the engine has stopped"}'
+    assert (
+        events(await collect(gen2, HouseEncoder(gen2)))[-1]
+        == 'event: error\ndata: {"error": "the engine has stopped"}'
+    )
 
 
 def test_chat_logprobs_shape() -> None:
     shaped = chat_logprobs([TokenLogprob("Hi", -0.5, [("Hi", -0.5), ("Yo", -1.0)])])
     assert shaped == {
         "content": [
-            {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
-                {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
-                {"token": "Yo", "logprob": -1.0, "bytes": [89, 111]},
-            ]}
+            {
+                "token": "Hi",
+                "logprob": -0.5,
+                "bytes": [72, 105],
+                "top_logprobs": [
+                    {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+                    {"token": "Yo", "logprob": -1.0, "bytes": [89, 111]},
+                ],
+            }
         ]
     }
 

@@ -75,7 +75,9 @@ async def test_prompts_queued_together_are_encoded_in_one_batch_in_order() -> No
 async def test_each_caller_gets_its_own_error_and_the_others_their_ids() -> None:
     fake = CountingTokenizer()
     tok = PromptTokenizer(lambda: fake)
-    results = await queued_behind_a_gate(tok, [("a", False), ("RAISE", False), ("b BAD", True), ("c", True), ("d", False)])
+    results = await queued_behind_a_gate(
+        tok, [("a", False), ("RAISE", False), ("b BAD", True), ("c", True), ("d", False)]
+    )
     assert results[1] == fake.encode("a", False)
     assert isinstance(results[2], LookupError)  # its template failed
     assert isinstance(results[3], ValueError)  # its text failed to encode; the batch fell back to one by one
