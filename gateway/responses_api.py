@@ -38,6 +38,17 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "max_tool_calls": (),
     "logit_bias": (),
 }
+# The chat path's sampling extensions (vLLM's too), passed through and validated there.
+_SAMPLING_EXTRAS = (
+    "top_k",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
 
 
 def _unused(value: Any, allowed: tuple[str, ...]) -> bool:
@@ -86,10 +97,19 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
+        # InvalidRequest (not ValueError) passes through pydantic as it is, with its param.
+        extra = self.model_extra or {}
         for name, allowed in _UNSUPPORTED.items():
-            if not _unused((self.model_extra or {}).get(name), allowed):
-                raise ValueError(f"'{name}' is not supported by this gateway")
+            if not _unused(extra.get(name), allowed):
+                raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+        if extra.get("n", 1) != 1:
+            raise InvalidRequest("a response has one output: 'n' must be 1", param="n")
         return self
+
+    @property
+    def sampling_extras(self) -> dict[str, Any]:
+        extra = self.model_extra or {}
+        return {name: extra[name] for name in _SAMPLING_EXTRAS if extra.get(name) is not None}
 
 
 def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, str]]:
@@ -143,10 +163,22 @@ def chat_request(
             temperature=body.temperature,
             top_p=body.top_p,
             stream=body.stream,
+            **body.sampling_extras,
         )
     except ValidationError as exc:
-        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
-        raise InvalidRequest(message, param="input") from None
+        err = exc.errors()[0]
+        param = "input" if not err["loc"] or err["loc"][0] == "messages" else str(err["loc"][0])
+        raise InvalidRequest(f"{param}: {err['msg'].removeprefix('Value error, ')}", param=param) from None
+
+
+# chat's names for what the Responses API calls otherwise, in errors from the chat path
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+def rename_param(exc: InvalidRequest) -> InvalidRequest:
+    """An error from the chat path, naming the Responses field (``input``, not ``messages``)."""
+    exc.param = _PARAMS.get(exc.param or "", exc.param)
+    return exc
 
 
 def constraint(fmt: TextFormat) -> Constraint | None:

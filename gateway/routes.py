@@ -22,7 +22,7 @@ from gateway.middleware import Principal
 from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.responses import SSEResponse, collect_unless_gone, read_json, route_headers
-from gateway.responses_api import ResponsesRequest, chat_request, constraint, input_messages
+from gateway.responses_api import ResponsesRequest, chat_request, constraint, input_messages, rename_param
 from gateway.responses_events import ResponseDraft, ResponseEventEncoder, output_text, stream_events
 from gateway.service import Collected, Generation
 from gateway.sse import (
@@ -94,7 +94,12 @@ async def create_response(request: Request) -> Response:
         history = (await _stored(request, body.previous_response_id, "previous_response_id")).history
     chat = chat_request(body, history, turn)
     limit = constraint(body.text.format)
-    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit))
+    try:
+        gen = await _generate(
+            request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit)
+        )
+    except InvalidRequest as exc:
+        raise rename_param(exc) from None
     draft = ResponseDraft(body, gen)
 
     async def save(response: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.integration.conftest import ADMIN_KEY, USER_KEY, LiveGateway
 
@@ -56,7 +57,9 @@ def test_message_list_and_instructions(client: openai.OpenAI, base_model: str) -
 
 
 def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI, base_model: str) -> None:
-    r = client.responses.create(model=base_model, input="Tell me a long story.", max_output_tokens=3, temperature=0)
+    r = client.responses.create(
+        model=base_model, input="Tell me a long story.", max_output_tokens=3, temperature=0
+    )
     assert r.status == "incomplete"
     assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage is not None and r.usage.output_tokens == 3
@@ -73,7 +76,9 @@ def test_routes_to_a_lora_by_model_and_by_task(client: openai.OpenAI, base_model
 def test_stream(client: openai.OpenAI, base_model: str) -> None:
     whole = client.responses.create(model=base_model, input=QUESTION, max_output_tokens=16, temperature=0)
     deltas = []
-    with client.responses.stream(model=base_model, input=QUESTION, max_output_tokens=16, temperature=0) as stream:
+    with client.responses.stream(
+        model=base_model, input=QUESTION, max_output_tokens=16, temperature=0
+    ) as stream:
         kinds = []
         for event in stream:
             kinds.append(event.type)
@@ -86,7 +91,11 @@ def test_stream(client: openai.OpenAI, base_model: str) -> None:
         "response.output_item.added",
         "response.content_part.added",
     ]
-    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert kinds[-1] == ("response.completed" if whole.status == "completed" else "response.incomplete")
     assert len(deltas) > 1 and "".join(deltas) == whole.output_text  # greedy: same text
     if final is not None:
@@ -105,11 +114,19 @@ def test_stream_get_final_response(client: openai.OpenAI) -> None:
 def test_previous_response_id_continues_and_other_keys_cannot(
     client: openai.OpenAI, other: openai.OpenAI, base_model: str
 ) -> None:
-    first = client.responses.create(model=base_model, input="My name is Ada.", max_output_tokens=8, temperature=0)
-    second = client.responses.create(
-        model=base_model, input="What is my name?", previous_response_id=first.id, max_output_tokens=8, temperature=0
+    first = client.responses.create(
+        model=base_model, input="My name is Ada.", max_output_tokens=8, temperature=0
     )
-    alone = client.responses.create(model=base_model, input="What is my name?", max_output_tokens=8, temperature=0)
+    second = client.responses.create(
+        model=base_model,
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    alone = client.responses.create(
+        model=base_model, input="What is my name?", max_output_tokens=8, temperature=0
+    )
     assert second.previous_response_id == first.id
     assert second.usage is not None and first.usage is not None and alone.usage is not None
     # the second prompt holds the first turn (input and output) before the new one
@@ -118,7 +135,9 @@ def test_previous_response_id_continues_and_other_keys_cannot(
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
-        other.responses.create(model=base_model, input="x", previous_response_id=first.id, max_output_tokens=2)
+        other.responses.create(
+            model=base_model, input="x", previous_response_id=first.id, max_output_tokens=2
+        )
     with pytest.raises(openai.NotFoundError):
         other.responses.delete(first.id)
     client.responses.delete(first.id)
@@ -140,15 +159,31 @@ def test_json_schema_output_is_valid_json(client: openai.OpenAI, base_model: str
         "additionalProperties": False,
     }
     fmt: Any = {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}
-    r = client.responses.create(model=base_model, input=QUESTION, text={"format": fmt}, max_output_tokens=60, temperature=0)
+    r = client.responses.create(
+        model=base_model, input=QUESTION, text={"format": fmt}, max_output_tokens=60, temperature=0
+    )
     assert r.status == "completed", r.output_text
     value = json.loads(r.output_text)
     assert set(value) == {"city"} and isinstance(value["city"], str)
 
 
+class Answer(BaseModel):
+    city: str = Field(max_length=20)
+
+
+def test_sdk_parse_with_a_pydantic_model(client: openai.OpenAI, base_model: str) -> None:
+    r = client.responses.parse(
+        model=base_model, input=QUESTION, text_format=Answer, max_output_tokens=60, temperature=0
+    )
+    assert r.status == "completed", r.output_text
+    assert isinstance(r.output_parsed, Answer) and r.output_parsed.city
+
+
 def test_unsupported_field_is_400(client: openai.OpenAI, base_model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(
-            model=base_model, input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}, "strict": False}]
+            model=base_model,
+            input="Hi",
+            tools=[{"type": "function", "name": "f", "parameters": {}, "strict": False}],
         )
     assert "tools" in str(info.value)
