@@ -44,7 +44,7 @@ class FailingEngine(ReadyEngine):
 def make_app(engine: ReadyEngine) -> TestClient:
     keys = [{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]
     settings = GatewaySettings(auth={"keys": keys}, responses={"store_path": ":memory:"})
-    app = create_app(settings, engine)
+    app = create_app(settings, engine)  # type: ignore[arg-type]  # generation and readiness only
     routes = {"shout": Route(name="shout", kind="preset", tasks=("yell",))}
     table = RoutingTable(base=Route(name="base-model", kind="base"), routes=routes, errors={})
     app.state.gateway.catalog = Catalog(lambda ids: table)
@@ -146,7 +146,7 @@ def test_retrieve_and_delete_are_per_key(http_nolife: TestClient) -> None:
 def test_store_false_keeps_nothing(http_nolife: TestClient) -> None:
     client = sdk(http_nolife)
     made = client.responses.create(model="base-model", input="Hi", store=False)
-    assert made.store is False
+    assert made.to_dict()["store"] is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
 
@@ -288,3 +288,14 @@ def test_output_items_of_a_response_can_be_sent_back_as_input(
     ]
     client.responses.create(model="base-model", input=items)
     assert prompt_of(engine) == "user:One\nassistant:Hello world!\nuser:Two\nmodel:"
+
+
+def test_admission_applies(http_nolife: TestClient) -> None:
+    gw = http_nolife.app.state.gateway  # type: ignore[attr-defined]
+    gw.admission.max_inflight = 0
+    r = http_nolife.post("/v1/responses", json={"input": "Hi"}, headers={"Authorization": f"Bearer {ALICE}"})
+    assert r.status_code == 429 and "Retry-After" in r.headers
+    assert (
+        http_nolife.get("/v1/responses/resp_x", headers={"Authorization": f"Bearer {ALICE}"}).status_code
+        == 404
+    )
