@@ -42,7 +42,7 @@ from gateway.settings import ApiKey
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("gateway.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat"})
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat", "/v1/responses"})
 
 
 async def send_error(send: Send, exc: GatewayError) -> None:

@@ -22,6 +22,8 @@ from gateway.middleware import Principal
 from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.responses import SSEResponse, collect_unless_gone, read_json, route_headers
+from gateway.responses_api import ResponsesRequest, chat_request, constraint, input_messages, rename_param
+from gateway.responses_events import ResponseDraft, ResponseEventEncoder, output_text, stream_events
 from gateway.service import Collected, Generation
 from gateway.sse import (
     HouseEncoder,
@@ -33,6 +35,7 @@ from gateway.sse import (
     encode_stream,
 )
 from gateway.state import Gateway
+from gateway.store import Stored
 
 
 def _gateway(request: Request) -> Gateway:
@@ -79,6 +82,72 @@ async def house_chat(request: Request) -> Response:
     body = await read_json(request, HouseChatRequest, gw.settings.limits.max_body_bytes)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease))
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
+
+
+async def create_response(request: Request) -> Response:
+    """``POST /v1/responses`` on the chat path; ``store`` keeps it for its key only."""
+    gw = _gateway(request)
+    body = await read_json(request, ResponsesRequest, gw.settings.limits.max_body_bytes)
+    owner = _owner(request)
+    turn, history = input_messages(body.input), []
+    if body.previous_response_id is not None:
+        history = (await _stored(request, body.previous_response_id, "previous_response_id")).history
+    chat = chat_request(body, history, turn)
+    limit = constraint(body.text.format)
+    try:
+        gen = await _generate(
+            request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit)
+        )
+    except InvalidRequest as exc:
+        raise rename_param(exc) from None
+    draft = ResponseDraft(body, gen)
+
+    async def save(response: dict[str, Any]) -> None:
+        said = {"role": "assistant", "content": output_text(response)}
+        await gw.responses.put(owner, response, [*history, *turn, said])
+
+    def prompt() -> Any:
+        return [m.model_dump(exclude_none=True) for m in chat.messages]
+
+    if body.stream:
+        record = _track(request, gen, True, prompt)
+        events = stream_events(gen, ResponseEventEncoder(draft), save if body.store else None)
+        return SSEResponse(events, route_headers(gen), record)
+    record = _track(request, gen, False, prompt)
+    result = await collect_unless_gone(request, gen)
+    if result is None:
+        if record is not None:
+            record.disconnected = True
+        return Response(status_code=499)
+    response = draft.whole(result)
+    if body.store:
+        await save(response)
+    return JSONResponse(response, headers=route_headers(gen))
+
+
+async def get_response(request: Request) -> Response:
+    stored = await _stored(request, request.path_params["response_id"], "response_id")
+    return JSONResponse(stored.response)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not await _gateway(request).responses.delete(_owner(request), response_id):
+        raise NotFound(f"Response with id '{response_id[:80]}' not found.", param="response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _owner(request: Request) -> str:
+    principal = _principal(request)
+    return principal.name if principal is not None else ""
+
+
+async def _stored(request: Request, response_id: str, param: str) -> Stored:
+    """A stored response of this caller's key; another key's looks like none (404)."""
+    stored = await _gateway(request).responses.get(_owner(request), response_id)
+    if stored is None:
+        raise NotFound(f"Response with id '{response_id[:80]}' not found.", param=param)
+    return stored
 
 
 async def _generate(
@@ -237,6 +306,9 @@ ROUTES = [
     HttpRoute("/v1/chat/completions", chat_completions, methods=["POST"]),
     HttpRoute("/v1/completions", completions, methods=["POST"]),
     HttpRoute("/chat", house_chat, methods=["POST"]),
+    HttpRoute("/v1/responses", create_response, methods=["POST"]),
+    HttpRoute("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    HttpRoute("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     HttpRoute("/v1/models", list_models, methods=["GET"]),
     HttpRoute("/v1/models/{name:path}", get_model, methods=["GET"]),
     HttpRoute("/metrics", metrics, methods=["GET"]),

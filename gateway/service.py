@@ -21,7 +21,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
 from gateway.settings import LimitSettings
 from gateway.tokenizing import PromptTokenizer
-from gateway.types import EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
+from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
@@ -123,7 +123,10 @@ class ChatService:
         self._limits = limits
         self._prompts = PromptTokenizer(lambda: engine.tokenizer)
 
-    async def chat(self, request: ChatCompletionRequest, lease: Lease) -> Generation:
+    async def chat(
+        self, request: ChatCompletionRequest, lease: Lease, constraint: Constraint | None = None
+    ) -> Generation:
+        """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``)."""
         route = lease.route
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
         if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
@@ -131,7 +134,8 @@ class ChatService:
         prompt_ids = await self._tokenize(
             lambda: self._chat_text(messages, route.chat_template), False, size=_size(messages)
         )
-        return self._start(request, lease, prompt_ids, request.token_limit, request.num_logprobs, "chatcmpl")
+        limit, logprobs = request.token_limit, request.num_logprobs
+        return self._start(request, lease, prompt_ids, limit, logprobs, "chatcmpl", constraint)
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
         prompt = request.prompt
@@ -178,6 +182,7 @@ class ChatService:
         max_tokens: int | None,
         logprobs: int | None,
         id_prefix: str,
+        constraint: Constraint | None = None,
     ) -> Generation:
         limits = self._limits
         if request.n > limits.max_n:
@@ -220,6 +225,7 @@ class ChatService:
             logprobs=logprobs,
             ignore_eos=request.ignore_eos,
             min_tokens=min(request.min_tokens, max_tokens),
+            constraint=constraint,
         )
         if sampling.n > 1 and sampling.temperature == 0:
             raise InvalidRequest(

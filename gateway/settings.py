@@ -121,6 +121,23 @@ class LimitSettings(_Section):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time for in-flight requests")
 
 
+class ResponsesSettings(_Section):
+    """The ``/v1/responses`` store (``store: true``, ``previous_response_id``, retrieve)."""
+
+    store_path: str | None = Field(
+        None, description="SQLite file; empty = <cache_dir>/responses.sqlite3; ':memory:' = not kept"
+    )
+    ttl_s: float = Field(30 * 24 * 3600, gt=0, description="stored responses expire after this (30 days)")
+
+    def resolved_path(self, cache_dir: Path) -> str:
+        if not self.store_path:
+            return str(cache_dir / "responses.sqlite3")
+        if self.store_path == ":memory:":
+            return self.store_path
+        path = Path(self.store_path).expanduser()
+        return str(path if path.is_absolute() else PROJECT_ROOT / path)
+
+
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_",
@@ -134,6 +151,7 @@ class GatewaySettings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     catalog: Path = Field(PROJECT_ROOT / "configs" / "adapters.yaml", description="adapter catalog")
     adapters_root: Path = Field(PROJECT_ROOT / "adapters", description="adapter files must live here")
     catalog_poll_s: float = Field(0.5, gt=0, description="how often adapter files are checked")

@@ -21,6 +21,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import Admission, Principal
 from gateway.service import ChatService
 from gateway.settings import GatewaySettings
+from gateway.store import ResponseStore
 from gateway.types import Engine
 from gateway.watcher import CatalogWatcher
 
@@ -38,6 +39,9 @@ class Gateway:
         bound = settings.limits.max_inflight or 4 * settings.engine.max_num_seqs
         self.admission = Admission(bound, settings.limits.retry_after_s)
         self.metrics = GatewayMetrics()
+        self.responses = ResponseStore(
+            settings.responses.resolved_path(settings.cache_dir), settings.responses.ttl_s
+        )
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0
         self._model_modules: set[str] | None = None

@@ -1,0 +1,211 @@
+"""``/v1/responses`` requests: the wire model, and its mapping onto the chat path.
+
+A Responses request becomes a ``ChatCompletionRequest`` (so routing, limits, templating
+and sampling are the chat path's): ``instructions`` become a leading system message, the
+stored conversation of ``previous_response_id`` comes next (its instructions are not
+carried over, as OpenAI does), then ``input`` (a string is one user message).
+``text.format`` becomes a ``Constraint`` (``json_schema`` / ``json_object``).
+
+Fields that would change the answer but are not implemented (tools, reasoning, include,
+background, conversation, prompt, ...) are refused with a 400 naming the field; other
+unknown fields are ignored, as for chat.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from jsonschema import Draft202012Validator, SchemaError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.errors import InvalidRequest
+from gateway.protocol import ChatCompletionRequest
+from gateway.types import Constraint
+
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text")
+# Fields that would change the answer; each may still be sent "unused" (None, [], False,
+# an object of nulls) or with the value named here.
+_UNSUPPORTED: dict[str, tuple[str, ...]] = {
+    "tools": (),
+    "tool_choice": ("auto", "none"),
+    "include": (),
+    "background": (),
+    "conversation": (),
+    "prompt": (),
+    "reasoning": (),
+    "truncation": ("disabled",),
+    "max_tool_calls": (),
+    "logit_bias": (),
+}
+# The chat path's sampling extensions (vLLM's too), passed through and validated there.
+_SAMPLING_EXTRAS = (
+    "top_k",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
+
+
+def _unused(value: Any, allowed: tuple[str, ...]) -> bool:
+    if value in (None, False, [], {}) or (isinstance(value, str) and value in allowed):
+        return True
+    return isinstance(value, dict) and all(v is None for v in value.values())
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(None, max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["medium"] | None = None  # low/high would change the answer
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``. ``task`` is the gateway's routing extension, as for chat."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, str_max_length=10_000_000)
+
+    input: str | list[Any]
+    model: str | None = Field(None, max_length=256)
+    task: str | None = Field(None, max_length=256)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    text: TextConfig = Field(default_factory=TextConfig)
+    stream: bool = False
+    store: bool = True  # OpenAI's default
+    previous_response_id: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=256)
+    parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # only read with include=[...logprobs]
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> ResponsesRequest:
+        # InvalidRequest (not ValueError) passes through pydantic as it is, with its param.
+        extra = self.model_extra or {}
+        for name, allowed in _UNSUPPORTED.items():
+            if not _unused(extra.get(name), allowed):
+                raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+        if extra.get("n", 1) != 1:
+            raise InvalidRequest("a response has one output: 'n' must be 1", param="n")
+        return self
+
+    @property
+    def sampling_extras(self) -> dict[str, Any]:
+        extra = self.model_extra or {}
+        return {name: extra[name] for name in _SAMPLING_EXTRAS if extra.get(name) is not None}
+
+
+def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, str]]:
+    """``input`` as chat messages. Items are messages (OpenAI's easy form or typed form,
+    output messages of an earlier response included) with text content only."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not value:
+        raise InvalidRequest("input must not be empty", param=param)
+    return [_message(item, f"{param}[{i}]") for i, item in enumerate(value)]
+
+
+def _message(item: Any, param: str) -> dict[str, str]:
+    if not isinstance(item, dict):
+        raise InvalidRequest("an input item must be an object", param=param)
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise InvalidRequest(f"input items of type '{kind}' are not supported", param=f"{param}.type")
+    role = item.get("role")
+    if role not in _ROLES:
+        raise InvalidRequest(f"role must be one of {', '.join(_ROLES)}", param=f"{param}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise InvalidRequest("content must be a string or a list of parts", param=f"{param}.content")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise InvalidRequest(
+                f"content parts of type '{kind}' are not supported (text only)", param=f"{where}.type"
+            )
+        texts.append(part["text"])
+    return {"role": role, "content": "".join(texts)}
+
+
+def chat_request(
+    body: ResponsesRequest, history: list[dict[str, str]], turn: list[dict[str, str]]
+) -> ChatCompletionRequest:
+    """The chat request that answers ``body``: instructions, the earlier turns, this turn."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages = [*system, *history, *turn]
+    try:
+        return ChatCompletionRequest(
+            messages=messages,
+            model=body.model,
+            task=body.task,
+            max_tokens=body.max_output_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stream=body.stream,
+            **body.sampling_extras,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = "input" if not err["loc"] or err["loc"][0] == "messages" else str(err["loc"][0])
+        raise InvalidRequest(f"{param}: {err['msg'].removeprefix('Value error, ')}", param=param) from None
+
+
+# chat's names for what the Responses API calls otherwise, in errors from the chat path
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+def rename_param(exc: InvalidRequest) -> InvalidRequest:
+    """An error from the chat path, naming the Responses field (``input``, not ``messages``)."""
+    exc.param = _PARAMS.get(exc.param or "", exc.param)
+    return exc
+
+
+def constraint(fmt: TextFormat) -> Constraint | None:
+    """``text.format`` as a structured-decoding constraint (None for plain text)."""
+    if fmt.type == "json_object":
+        return Constraint("json_object")
+    if fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise InvalidRequest("text.format.schema is required for json_schema", param="text.format.schema")
+        if not fmt.name:
+            raise InvalidRequest("text.format.name is required for json_schema", param="text.format.name")
+        try:
+            Draft202012Validator.check_schema(fmt.schema_)
+        except SchemaError as exc:
+            raise InvalidRequest(f"invalid JSON schema: {exc.message}", param="text.format.schema") from None
+        return Constraint("json", fmt.schema_)
+    return None
+
+
+def format_echo(fmt: TextFormat) -> dict[str, Any]:
+    """``text.format`` as the Response object shows it."""
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    return {
+        "type": "json_schema",
+        "name": fmt.name,
+        "schema": fmt.schema_,
+        "description": fmt.description,
+        "strict": fmt.strict,
+    }

@@ -1,0 +1,223 @@
+"""``/v1/responses`` output: the Response object and its typed stream events.
+
+``ResponseDraft`` renders one Response object at any point of its life (in progress,
+completed, incomplete, failed). ``ResponseEventEncoder`` writes OpenAI's typed SSE events
+(``event: <type>`` / ``data: {..., "sequence_number": n}``) in OpenAI's order::
+
+    response.created, response.in_progress, response.output_item.added,
+    response.content_part.added, response.output_text.delta..., response.output_text.done,
+    response.content_part.done, response.output_item.done,
+    response.completed (or response.incomplete when max_output_tokens cut it short)
+
+An engine failure after the status line ends the stream with ``response.failed``.
+``stream_events`` drives it and stores the final Response (``save``) before the last event
+goes out, so a client that reads ``response.completed`` can continue from it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from gateway.errors import EngineFailed, GatewayError
+from gateway.responses_api import ResponsesRequest, format_echo
+from gateway.service import Collected, Generation
+from gateway.types import StepOutput
+
+log = logging.getLogger(__name__)
+Save = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def output_text(response: dict[str, Any]) -> str:
+    """All output text of a rendered Response (what the SDK's ``output_text`` gives)."""
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
+
+
+class ResponseDraft:
+    """One Response object: ids fixed at creation, rendered as it progresses."""
+
+    def __init__(self, body: ResponsesRequest, gen: Generation) -> None:
+        self.body = body
+        self.gen = gen
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [] if status == "in_progress" else [text_part(text)],
+        }
+
+    def render(
+        self,
+        status: str,
+        text: str | None = None,
+        tokens: tuple[int, int] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The Response; ``text`` None means no output item yet; ``tokens`` (in, out) the usage."""
+        body, sampling = self.body, self.gen.sampling
+        incomplete = status == "incomplete"
+        output = [] if text is None else [self.message(text, "incomplete" if incomplete else "completed")]
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.gen.created,
+            "status": status,
+            "background": False,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": None,
+            "metadata": body.metadata or {},
+            "model": self.gen.route.name,
+            "output": output,
+            "parallel_tool_calls": True,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default",
+            "store": body.store,
+            "temperature": sampling.temperature,
+            "text": {"format": format_echo(body.text.format), "verbosity": "medium"},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_logprobs": body.top_logprobs or 0,
+            "top_p": sampling.top_p,
+            "truncation": "disabled",
+            "usage": usage(*tokens) if tokens is not None else None,
+            "user": body.user,
+        }
+
+    def whole(self, result: Collected) -> dict[str, Any]:
+        choice = result.choices[0]
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        return self.render(status, "".join(choice.text), (result.prompt_tokens, result.completion_tokens))
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class ResponseEventEncoder:
+    """The typed events of one streamed Response, numbered in order."""
+
+    def __init__(self, draft: ResponseDraft) -> None:
+        self.draft = draft
+        self.sequence = 0
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self._where = {"item_id": draft.message_id, "output_index": 0, "content_index": 0}
+        head = {"type": "response.output_text.delta", **self._where, "logprobs": []}
+        # 'event: ...\ndata: {"type":...,"logprobs":[],"sequence_number":' -- the delta's fixed part
+        self._delta_prefix = (
+            b"event: response.output_text.delta\ndata: " + _dumps(head)[:-1].encode() + b',"sequence_number":'
+        )
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {_dumps(data)}\n\n".encode()
+
+    def start(self) -> bytes:
+        draft = self.draft
+        snapshot, item = draft.render("in_progress"), draft.message("", "in_progress")
+        return b"".join(
+            (
+                self.event("response.created", response=snapshot),
+                self.event("response.in_progress", response=snapshot),
+                self.event("response.output_item.added", output_index=0, item=item),
+                self.event("response.content_part.added", **self._where, part=text_part("")),
+            )
+        )
+
+    def step(self, step: StepOutput) -> bytes:
+        out = []
+        for chunk in step.chunks:
+            if chunk.finish_reason is not None:
+                self.finish_reason = chunk.finish_reason
+            if chunk.text:
+                self.text.append(chunk.text)
+                out.append(
+                    self._delta_prefix
+                    + str(self.sequence).encode()
+                    + b',"delta":'
+                    + _dumps(chunk.text).encode()
+                    + b"}\n\n"
+                )
+                self.sequence += 1
+        return b"".join(out)
+
+    def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        return self.draft.render(status, "".join(self.text), (input_tokens, output_tokens))
+
+    def end(self, response: dict[str, Any]) -> bytes:
+        text = "".join(self.text)
+        item = response["output"][0]
+        last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return b"".join(
+            (
+                self.event("response.output_text.done", **self._where, text=text, logprobs=[]),
+                self.event("response.content_part.done", **self._where, part=text_part(text)),
+                self.event("response.output_item.done", output_index=0, item=item),
+                self.event(last, response=response),
+            )
+        )
+
+    def error(self, exc: GatewayError) -> bytes:
+        error = {"code": "server_error", "message": exc.message}
+        tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
+        failed = self.draft.render("failed", "".join(self.text), tokens, error)
+        failed["output"][0]["status"] = "incomplete"
+        return self.event("response.failed", response=failed)
+
+
+async def stream_events(
+    gen: Generation, encoder: ResponseEventEncoder, save: Save | None
+) -> AsyncIterator[bytes]:
+    """The bytes of one streamed Response; failures become ``response.failed``."""
+    try:
+        yield encoder.start()
+        async for step in gen.steps():
+            data = encoder.step(step)
+            if data:
+                yield data
+        response = encoder.final(gen.prompt_tokens, gen.completion_tokens)
+        if save is not None:
+            await save(response)
+        yield encoder.end(response)
+    except GatewayError as exc:
+        yield encoder.error(exc)
+    except Exception:
+        # The status line went out long ago: the stream must still end with an event.
+        log.exception("response stream %s failed", gen.id)
+        yield encoder.error(EngineFailed("internal error while streaming"))

@@ -1,0 +1,301 @@
+"""``/v1/responses`` in-process, through the openai SDK, with a fake engine (no vllm).
+
+The app is built without its lifespan (no engine start): the catalog is set by hand and
+the fake engine says it is ready. The SDK talks to it through starlette's TestClient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.catalog import Catalog, Route, RoutingTable
+from gateway.settings import GatewaySettings
+from gateway.types import Constraint, LoraSpec, SamplingSpec, StepOutput
+from tests.unit.fakes import FakeEngine
+
+ALICE, BOB = "sk-alice-000000001", "sk-bob-0000000001"
+
+
+class ReadyEngine(FakeEngine):
+    ready = True
+    errored = False
+    model_path = None
+    served_model_name = "base-model"
+
+    def unfinished_requests(self) -> int:
+        return 0
+
+
+class FailingEngine(ReadyEngine):
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+    ) -> AsyncIterator[StepOutput]:
+        async for step in super().generate(prompt_ids, sampling, request_id, lora):
+            yield step
+            raise RuntimeError("the engine fell over")
+
+
+def make_app(engine: ReadyEngine) -> TestClient:
+    keys = [{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]
+    settings = GatewaySettings(auth={"keys": keys}, responses={"store_path": ":memory:"})
+    app = create_app(settings, engine)  # type: ignore[arg-type]  # generation and readiness only
+    routes = {"shout": Route(name="shout", kind="preset", tasks=("yell",))}
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes=routes, errors={})
+    app.state.gateway.catalog = Catalog(lambda ids: table)
+    return TestClient(app)  # no ``with``: no lifespan, so no engine start
+
+
+@pytest.fixture
+def engine() -> ReadyEngine:
+    return ReadyEngine(max_model_len=1000)
+
+
+@pytest.fixture
+def http_nolife(engine: ReadyEngine) -> TestClient:
+    return make_app(engine)
+
+
+def sdk(http: TestClient, key: str = ALICE) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url="http://testserver/v1", http_client=http, max_retries=0)
+
+
+def prompt_of(engine: ReadyEngine, call: int = -1) -> str:
+    return "".join(map(chr, engine.calls[call][0]))
+
+
+def test_string_input_gives_a_completed_response(http_nolife: TestClient, engine: ReadyEngine) -> None:
+    r = sdk(http_nolife).responses.create(model="base-model", input="Hi")
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert r.output_text == "Hello world!" and r.model == "base-model"
+    assert r.output[0].type == "message" and r.output[0].id.startswith("msg_")
+    assert r.usage is not None and r.usage.input_tokens == len(engine.calls[0][0])
+    assert (r.usage.output_tokens, r.usage.total_tokens) == (3, r.usage.input_tokens + 3)
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "text"
+    assert prompt_of(engine) == "user:Hi\nmodel:"
+
+
+def test_instructions_and_message_list(http_nolife: TestClient, engine: ReadyEngine) -> None:
+    items: Any = [
+        {"role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Yo"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "More"}]},
+    ]
+    r = sdk(http_nolife).responses.create(
+        model="base-model", input=items, instructions="Be terse.", temperature=0.5
+    )
+    assert prompt_of(engine) == "system:Be terse.\nuser:Hi\nassistant:Yo\nuser:More\nmodel:"
+    assert r.instructions == "Be terse." and r.temperature == 0.5
+    assert engine.calls[0][1].temperature == 0.5
+
+
+def test_max_output_tokens_makes_it_incomplete(http_nolife: TestClient, engine: ReadyEngine) -> None:
+    r = sdk(http_nolife).responses.create(model="base-model", input="Hi", max_output_tokens=2)
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == "Hello world" and r.max_output_tokens == 2
+    assert engine.calls[0][1].max_tokens == 2
+
+
+def test_routing_by_model_and_by_task(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    assert client.responses.create(model="shout", input="Hi").model == "shout"
+    assert client.responses.create(input="Hi", extra_body={"task": "yell"}).model == "shout"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="Hi")
+
+
+def test_previous_response_id_continues_the_conversation(
+    http_nolife: TestClient, engine: ReadyEngine
+) -> None:
+    client = sdk(http_nolife)
+    first = client.responses.create(model="base-model", input="One", instructions="Old rules.")
+    second = client.responses.create(model="base-model", input="Two", previous_response_id=first.id)
+    # the first turn is in the prompt; its instructions are not carried over (OpenAI's rule)
+    assert prompt_of(engine) == "user:One\nassistant:Hello world!\nuser:Two\nmodel:"
+    assert second.previous_response_id == first.id
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    client.responses.create(model="base-model", input="Three", previous_response_id=second.id)
+    assert prompt_of(engine).startswith(
+        "user:One\nassistant:Hello world!\nuser:Two\nassistant:Hello world!\nuser:Three"
+    )
+
+
+def test_retrieve_and_delete_are_per_key(http_nolife: TestClient) -> None:
+    alice, bob = sdk(http_nolife, ALICE), sdk(http_nolife, BOB)
+    made = alice.responses.create(model="base-model", input="secret")
+    assert alice.responses.retrieve(made.id).output_text == made.output_text
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError) as info:
+        bob.responses.create(model="base-model", input="x", previous_response_id=made.id)
+    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.delete(made.id)
+    alice.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(made.id)
+
+
+def test_store_false_keeps_nothing(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    made = client.responses.create(model="base-model", input="Hi", store=False)
+    assert made.to_dict()["store"] is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+
+
+def test_stream_events_in_order(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    with client.responses.stream(model="base-model", input="Hi") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 3,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert deltas == ["Hello", " world", "!"]
+    assert final.output_text == "Hello world!" and final.status == "completed"
+    assert final.usage is not None and final.usage.output_tokens == 3
+    assert client.responses.retrieve(final.id).output_text == "Hello world!"  # stored before the end
+
+
+def test_stream_cut_short_ends_with_response_incomplete(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    events = list(client.responses.create(model="base-model", input="Hi", max_output_tokens=1, stream=True))
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.status == "incomplete" and last.response.output_text == "Hello"
+
+
+def test_engine_failure_mid_stream_is_response_failed() -> None:
+    http = make_app(FailingEngine(max_model_len=1000))
+    events = list(sdk(http).responses.create(model="base-model", input="Hi", stream=True))
+    assert events[-1].type == "response.failed"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
+    assert failed.output_text == "Hello"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"n": 2}, "n"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_output_tokens": 5000}, "max_output_tokens"),
+        ({"input": "x" * 2000}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "system", "content": "only rules"}]}, "input"),
+    ],
+)
+def test_unsupported_fields_are_400(http_nolife: TestClient, extra: dict[str, Any], param: str) -> None:
+    r = http_nolife.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": "Hi", **extra},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("item", "param"),
+    [
+        ({"type": "function_call_output", "call_id": "c", "output": "x"}, "input[0].type"),
+        (
+            {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
+            "input[0].content[0].type",
+        ),
+        ({"role": "tool", "content": "x"}, "input[0].role"),
+    ],
+)
+def test_unsupported_input_items_are_400(http_nolife: TestClient, item: dict[str, Any], param: str) -> None:
+    r = http_nolife.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": [item]},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_text_format_json_schema_constrains_decoding(http_nolife: TestClient, engine: ReadyEngine) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt: Any = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    r = sdk(http_nolife).responses.create(model="base-model", input="Hi", text={"format": fmt})
+    assert engine.calls[0][1].constraint == Constraint("json", schema)
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
+    sdk(http_nolife).responses.create(
+        model="base-model", input="Hi", text={"format": {"type": "json_object"}}
+    )
+    assert engine.calls[1][1].constraint == Constraint("json_object")
+
+
+def test_invalid_json_schema_is_400(http_nolife: TestClient) -> None:
+    fmt = {"type": "json_schema", "name": "bad", "schema": {"type": "no-such-type"}}
+    r = http_nolife.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": "Hi", "text": {"format": fmt}},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+
+
+def test_needs_a_key(http_nolife: TestClient) -> None:
+    assert http_nolife.post("/v1/responses", json={"input": "Hi"}).status_code == 401
+    assert http_nolife.get("/v1/responses/resp_x").status_code == 401
+
+
+def test_chat_sampling_extensions_pass_through(http_nolife: TestClient, engine: ReadyEngine) -> None:
+    extra = {"seed": 7, "stop": ["x"], "top_k": 5, "repetition_penalty": 1.2}
+    sdk(http_nolife).responses.create(model="base-model", input="Hi", extra_body=extra)
+    sampling = engine.calls[0][1]
+    assert (sampling.seed, sampling.stop, sampling.top_k, sampling.repetition_penalty) == (7, ("x",), 5, 1.2)
+
+
+def test_output_items_of_a_response_can_be_sent_back_as_input(
+    http_nolife: TestClient, engine: ReadyEngine
+) -> None:
+    """The stateless way to continue: the caller resends the earlier output items."""
+    client = sdk(http_nolife)
+    first = client.responses.create(model="base-model", input="One", store=False)
+    items: Any = [
+        {"role": "user", "content": "One"},
+        *[o.model_dump() for o in first.output],
+        {"role": "user", "content": "Two"},
+    ]
+    client.responses.create(model="base-model", input=items)
+    assert prompt_of(engine) == "user:One\nassistant:Hello world!\nuser:Two\nmodel:"
+
+
+def test_admission_applies(http_nolife: TestClient) -> None:
+    gw = http_nolife.app.state.gateway  # type: ignore[attr-defined]
+    gw.admission.max_inflight = 0
+    r = http_nolife.post("/v1/responses", json={"input": "Hi"}, headers={"Authorization": f"Bearer {ALICE}"})
+    assert r.status_code == 429 and "Retry-After" in r.headers
+    assert (
+        http_nolife.get("/v1/responses/resp_x", headers={"Authorization": f"Bearer {ALICE}"}).status_code
+        == 404
+    )
