@@ -21,7 +21,8 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
 from gateway.settings import LimitSettings
 from gateway.tokenizing import PromptTokenizer
-from gateway.types import EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
+from gateway.tools import NO_TOOLS, ToolPlan, plan_tools, template_messages, tool_template, uses_tools
+from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
@@ -71,6 +72,7 @@ class Generation:
         self._lease = lease
         self._prompt_ids = prompt_ids
         self._params = params  # the engine's form of ``sampling``
+        self.tools: ToolPlan = NO_TOOLS  # chat only: how answers become tool calls
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -125,13 +127,21 @@ class ChatService:
 
     async def chat(self, request: ChatCompletionRequest, lease: Lease) -> Generation:
         route = lease.route
-        messages = [{"role": m.role, "content": m.text} for m in request.messages]
+        plan = plan_tools(request)
+        messages = template_messages(request.messages)
         if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
             messages.insert(0, {"role": "system", "content": route.system_prompt})
+        template, tools = route.chat_template, plan.template_tools()
+        if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
+            template = template or tool_template()
         prompt_ids = await self._tokenize(
-            lambda: self._chat_text(messages, route.chat_template), False, size=_size(messages)
+            lambda: self._chat_text(messages, template, tools), False, size=_size(messages)
         )
-        return self._start(request, lease, prompt_ids, request.token_limit, request.num_logprobs, "chatcmpl")
+        gen = self._start(
+            request, lease, prompt_ids, request.token_limit, request.num_logprobs, "chatcmpl", plan.constraint
+        )
+        gen.tools = plan
+        return gen
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
         prompt = request.prompt
@@ -154,10 +164,14 @@ class ChatService:
         return await self.chat(chat, lease)
 
     # -- helpers --------------------------------------------------------------------
-    def _chat_text(self, messages: list[dict[str, str]], template: str | None) -> str:
+    def _chat_text(
+        self, messages: list[dict[str, Any]], template: str | None, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if template:
             kwargs["chat_template"] = template
+        if tools:
+            kwargs["tools"] = tools
         try:
             return str(self._engine.tokenizer.apply_chat_template(messages, **kwargs))
         except Exception as exc:  # jinja raise_exception() in a template, bad roles
@@ -178,6 +192,7 @@ class ChatService:
         max_tokens: int | None,
         logprobs: int | None,
         id_prefix: str,
+        constraint: Constraint | None = None,
     ) -> Generation:
         limits = self._limits
         if request.n > limits.max_n:
@@ -220,6 +235,7 @@ class ChatService:
             logprobs=logprobs,
             ignore_eos=request.ignore_eos,
             min_tokens=min(request.min_tokens, max_tokens),
+            constraint=constraint,
         )
         if sampling.n > 1 and sampling.temperature == 0:
             raise InvalidRequest(
@@ -236,5 +252,5 @@ def _pick(*values: float | None) -> float:
     raise AssertionError("the last value is a default")
 
 
-def _size(messages: list[dict[str, str]]) -> int:
+def _size(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) for m in messages)
