@@ -8,8 +8,10 @@ Streaming, per choice:
 - ``named``: the function is known before the first token: the first chunk carries the
   call's ``index``, ``id``, ``type`` and ``name`` with empty ``arguments``, then each
   generated piece of the arguments is an ``arguments`` fragment.
-- ``required``: the names are inside the generated JSON list, so the answer is buffered and
-  each call goes out whole when the choice ends.
+- ``required``: the names are inside the generated JSON list (``[{"name": ..., "arguments":
+  {...}}, ...]``): each call's head goes out as soon as its name is complete, then its
+  arguments as fragments (``RequiredCallScanner``). An answer cut short before any name is
+  sent as content.
 - ``auto``: an answer whose first non-blank character cannot open a call (``tools.CALL_OPENERS``)
   streams as content at once; one that can is buffered and parsed when the choice ends.
 
@@ -19,6 +21,7 @@ A choice that ended with calls has ``finish_reason: "tool_calls"`` (``length`` s
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +62,76 @@ def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
     }
 
 
+# The head of the next call in a ``required`` answer; the grammar writes "name" first.
+_CALL_HEAD = re.compile(
+    r'\s*(?:\}\s*)?[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
+)
+
+
+class RequiredCallScanner:
+    """Reads a ``required`` answer (``[{"name": ..., "arguments": {...}}, ...]``) as it grows:
+    ``feed`` returns ``("name", name)`` when a call's name is complete, then ``("arguments",
+    fragment)`` pieces of its arguments object as they are generated."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls = 0  # calls whose name went out
+        self._pos = 0  # where scanning resumes
+        self._in_args = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        self.text += piece
+        out: list[tuple[str, str]] = []
+        while True:
+            if not self._in_args:
+                head = _CALL_HEAD.match(self.text, self._pos)
+                if head is None:
+                    return out
+                out.append(("name", json.loads(head.group(1))))
+                self.calls += 1
+                self._pos, self._in_args, self._depth = head.end(), True, 0
+            start = self._pos
+            done = self._scan()
+            if self._pos > start:
+                out.append(("arguments", self.text[start : self._pos]))
+            if not done:
+                return out
+            self._in_args = False
+
+    def _scan(self) -> bool:
+        """Advance over the arguments object; True when it has closed."""
+        text = self.text
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._pos = i + 1
+                    return True
+        self._pos = len(text)
+        return False
+
+
 @dataclass(slots=True)
 class _ChoiceState:
     buffered: list[str] = field(default_factory=list)
     streaming_text: bool = False  # auto: known to be plain text, streamed as it comes
     call_id: str = ""
+    scanner: RequiredCallScanner = field(default_factory=RequiredCallScanner)
 
 
 class ToolChatEncoder(OpenAIChatEncoder):
@@ -111,6 +179,8 @@ class ToolChatEncoder(OpenAIChatEncoder):
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]} if c.text else {}
             finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             return self._event(c.index, delta, logprobs, finish)
+        if self._plan.mode == "required":
+            return self._required_chunk(c, state, logprobs)
         if state.streaming_text:
             return self._event(c.index, {"content": c.text} if c.text else {}, logprobs, c.finish_reason)
         state.buffered.append(c.text)
@@ -121,6 +191,29 @@ class ToolChatEncoder(OpenAIChatEncoder):
         if c.finish_reason is None:
             return self._event(c.index, {}, logprobs) if logprobs is not None else b""
         return self._calls_events(c.index, text, logprobs, c.finish_reason)
+
+    def _required_chunk(self, c: Chunk, state: _ChoiceState, logprobs: Any) -> bytes:
+        """Each call's name as soon as it is complete, then its arguments as they grow."""
+        scanner = state.scanner
+        out = []
+        for kind, value in scanner.feed(c.text):
+            k = scanner.calls - 1
+            if kind == "name":
+                head = {"index": k, "id": state.call_id if k == 0 else call_id(), "type": "function"}
+                head["function"] = {"name": value, "arguments": ""}
+                out.append(self._event(c.index, {"tool_calls": [head]}))
+            else:
+                out.append(
+                    self._event(c.index, {"tool_calls": [{"index": k, "function": {"arguments": value}}]})
+                )
+        if c.finish_reason is not None:
+            if scanner.calls == 0:  # nothing went out as a call (cut short): the text as content
+                return b"".join(out) + self._calls_events(c.index, scanner.text, logprobs, c.finish_reason)
+            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            out.append(self._event(c.index, {}, logprobs, finish))
+        elif logprobs is not None:
+            out.append(self._event(c.index, {}, logprobs))
+        return b"".join(out)
 
     def _calls_events(self, index: int, text: str, logprobs: Any, reason: str) -> bytes:
         content, calls = calls_of_answer(self._plan, text, self._parser)

@@ -356,17 +356,46 @@ async def test_named_stream_sends_the_name_first_then_argument_fragments() -> No
     }
 
 
-async def test_required_stream_sends_each_call_whole_at_the_end() -> None:
+async def test_required_stream_sends_each_name_then_its_argument_fragments() -> None:
     words = [
-        '[{"name": "add", ',
-        '"arguments": {"a": 1}}, ',
+        '[{"name": "ad',
+        'd", "arguments": {"a"',
+        ": 1}}, ",
         '{"name": "get_weather", "arguments": {"city": "X"}}]',
     ]
-    msg = assemble(await stream_chunks(make_gen(words, tool_choice="required")))[0]
+    chunks = await stream_chunks(make_gen(words, tool_choice="required"))
+    deltas = [c["choices"][0]["delta"].get("tool_calls") for c in chunks]
+    deltas = [d[0] for d in deltas if d]
+    assert deltas[0]["function"] == {"name": "add", "arguments": ""} and deltas[0]["index"] == 0
+    assert [d["function"]["arguments"] for d in deltas[1:3]] == ['{"a"', ": 1}"]  # streamed as generated
+    assert deltas[3]["index"] == 1 and deltas[3]["function"]["name"] == "get_weather"
+    msg = assemble(chunks)[0]
     assert msg["finish_reason"] == "tool_calls"
     calls = msg["tool_calls"]
     assert [calls[0]["name"], calls[1]["name"]] == ["add", "get_weather"]
-    assert json.loads(calls[1]["arguments"]) == {"city": "X"} and calls[0]["id"] != calls[1]["id"]
+    assert json.loads(calls[0]["arguments"]) == {"a": 1} and json.loads(calls[1]["arguments"]) == {
+        "city": "X"
+    }
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
+    from gateway.sse_tools import RequiredCallScanner
+
+    text = (
+        '[{"name": "add", "arguments": {"a": "x}{\\"]", "b": [1, {"c": 2}]}}, {"name": "f", "arguments": {}}]'
+    )
+    for size in (1, 2, 5, len(text)):
+        scanner, names, args = RequiredCallScanner(), [], []
+        for i in range(0, len(text), size):
+            for kind, value in scanner.feed(text[i : i + size]):
+                if kind == "name":
+                    names.append(value)
+                    args.append("")
+                else:
+                    args[-1] += value
+        assert names == ["add", "f"]
+        assert [json.loads(a) for a in args] == [{"a": 'x}{"]', "b": [1, {"c": 2}]}, {}]
 
 
 async def test_auto_stream_plain_text_flows_at_once() -> None:
@@ -391,11 +420,15 @@ async def test_auto_stream_json_that_is_no_call_ends_as_content() -> None:
     assert msg["content"] == '{"x": 1}' and msg["tool_calls"] == {} and msg["finish_reason"] == "stop"
 
 
-async def test_cut_short_required_answer_is_content_with_length() -> None:
-    gen = make_gen(['[{"name": "add", ', '"arguments": {'], tool_choice="required", max_tokens=2)
-    msg = assemble(await stream_chunks(gen))[0]
+async def test_cut_short_required_answer() -> None:
+    gen = make_gen(['[{"name": "add", ', '"argu'], tool_choice="required", max_tokens=2)
+    msg = assemble(await stream_chunks(gen))[0]  # before a name is complete: the text
     assert msg["finish_reason"] == "length" and msg["tool_calls"] == {}
-    assert msg["content"] == '[{"name": "add", "arguments": {'
+    assert msg["content"] == '[{"name": "add", "argu'
+    gen = make_gen(['[{"name": "add", ', '"arguments": {"a'], tool_choice="required", max_tokens=2)
+    msg = assemble(await stream_chunks(gen))[0]  # after: the call so far, as OpenAI does
+    assert msg["finish_reason"] == "length" and msg["content"] is None
+    assert msg["tool_calls"][0]["name"] == "add" and msg["tool_calls"][0]["arguments"] == '{"a'
 
 
 async def test_whole_response_carries_tool_calls() -> None:
