@@ -25,9 +25,16 @@ import uuid
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 
 from gateway.errors import InvalidRequest
 from gateway.types import Constraint
@@ -80,7 +87,19 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+def _one_tool_choice_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    # One message at ``tool_choice`` rather than one per branch of the union.
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(
+            'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+        ) from None
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice, WrapValidator(_one_tool_choice_error)
+]
 
 
 # -- the plan ----------------------------------------------------------------------------
