@@ -109,6 +109,7 @@ class ToolPlan:
     tools: tuple[FunctionDef, ...] = ()
     named: str | None = None  # the function forced by a named tool_choice
     constraint: Constraint | None = None
+    parallel: bool = True  # False: one call at most
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -137,7 +138,7 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none", tools)
     if choice == "auto":
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parallel=request.parallel_tool_calls is not False)
     if choice == "required":
         return ToolPlan(
             "required", tools, constraint=Constraint("json", calls_schema(tools, request.parallel_tool_calls))
@@ -343,7 +344,8 @@ def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None,
         calls = parse_required(text)
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto" and parser == "json":
-        return parse_calls(text, plan.names)
+        content, calls = parse_calls(text, plan.names)
+        return content, calls if plan.parallel else calls[:1]
     return text, []
 
 

@@ -241,6 +241,10 @@ def test_answers_by_mode() -> None:
     text = '{"name": "add", "arguments": {}}'
     assert calls_of_answer(auto, text, "json")[1] == [ParsedCall("add", "{}")]
     assert calls_of_answer(auto, text, "none") == (text, [])  # a route whose parser is off
+    two = f"[{text}, {text}]"
+    assert len(calls_of_answer(auto, two, "json")[1]) == 2
+    single = plan_tools(request(tools=tools, parallel_tool_calls=False))
+    assert len(calls_of_answer(single, two, "json")[1]) == 1  # parallel_tool_calls false: the first
 
 
 # -- the tool-aware template, rendered as transformers renders it -----------------------
