@@ -21,8 +21,9 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, str_max_length=10_000_000)
 
     # Fields that would change the answer but that this gateway does not implement:
-    # refusing them beats silently ignoring them.
-    _unsupported = ("best_of", "suffix", "echo")
+    # refusing them beats silently ignoring them. (Chat requests declare ``tools`` and
+    # ``tool_choice`` as fields, so only the other endpoints refuse them here.)
+    _unsupported = ("tools", "tool_choice", "best_of", "suffix", "echo")
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:

@@ -482,3 +482,12 @@ async def test_service_renders_tools_with_the_tool_template_and_constrains_force
     await gen.collect()
     assert "chat_template" not in seen[1] and "tools" not in seen[1]
     assert engine.calls[1][1].constraint is None
+
+
+def test_completions_still_refuse_tools() -> None:
+    from gateway.protocol import CompletionRequest
+
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "x", "tools": [WEATHER]})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "x", "tool_choice": "required"})
