@@ -30,6 +30,9 @@ from gateway.types import LoraSpec
 log = logging.getLogger(__name__)
 
 RouteKind = Literal["base", "lora", "preset"]
+# How ``tool_choice: auto`` answers become tool calls (``gateway.tools``): ``json`` reads the
+# JSON calls that configs/templates/gemma-tools.jinja asks for; ``none`` keeps them as text.
+ToolParser = Literal["json", "none"]
 
 
 # -- catalog file schema ---------------------------------------------------------------
@@ -52,6 +55,7 @@ class RouteEntry(BaseModel):
     system_prompt: str | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
+    tool_parser: ToolParser = "json"
 
 
 class BaseEntry(BaseModel):
@@ -60,6 +64,7 @@ class BaseEntry(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     tasks: list[str] = Field(default_factory=list)
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    tool_parser: ToolParser = "json"
 
 
 class CatalogFile(BaseModel):
@@ -82,6 +87,7 @@ class Route:
     system_prompt: str | None = None
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     chat_template: str | None = None
+    tool_parser: ToolParser = "json"
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ def load_table(
         aliases=tuple(spec.base.aliases),
         tasks=tuple(spec.base.tasks),
         defaults=spec.base.defaults,
+        tool_parser=spec.base.tool_parser,
     )
     taken = {base.name, *base.aliases}
     routes: dict[str, Route] = {}
@@ -187,6 +194,7 @@ def _build_route(
         system_prompt=entry.system_prompt,
         defaults=entry.defaults,
         chat_template=entry.chat_template,
+        tool_parser=entry.tool_parser,
     )
     if entry.adapter is None:
         return Route(kind="preset", **common)

@@ -11,7 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Role = Literal["system", "developer", "user", "assistant"]
+from gateway.tools import ToolCall, ToolChoice, ToolDef
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Request(BaseModel):
@@ -19,11 +21,15 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, str_max_length=10_000_000)
 
     # Fields that would change the answer but that this gateway does not implement:
-    # refusing them beats silently ignoring them.
-    _unsupported = ("tools", "functions", "tool_choice", "function_call", "best_of", "suffix", "echo")
+    # refusing them beats silently ignoring them. (Chat requests declare ``tools`` and
+    # ``tool_choice`` as fields, so only the other endpoints refuse them here.)
+    _unsupported = ("tools", "tool_choice", "best_of", "suffix", "echo")
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:
+        for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
+            if (self.model_extra or {}).get(name) not in (None, [], "none"):
+                raise ValueError(f"'{name}' is deprecated and not supported; use 'tools' and 'tool_choice'")
         for name in self._unsupported:
             value = (self.model_extra or {}).get(name)
             if value not in (None, [], False, 1, "none", "auto"):
@@ -83,6 +89,8 @@ class Message(BaseModel):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     @property
     def text(self) -> str:
@@ -98,6 +106,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("messages")
     @classmethod

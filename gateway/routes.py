@@ -34,6 +34,7 @@ from gateway.sse import (
     completion_response,
     encode_stream,
 )
+from gateway.sse_tools import ToolChatEncoder, tool_chat_response
 from gateway.state import Gateway
 from gateway.store import Stored
 
@@ -57,15 +58,20 @@ async def chat_completions(request: Request) -> Response:
     if house and gen.sampling.n > 1:
         gen.close()
         raise InvalidRequest("the house stream format carries one choice; use n=1", param="n")
+    if house and gen.tools.mode != "none":
+        gen.close()
+        raise InvalidRequest("the house stream format carries no tool calls", param="tools")
 
     def prompt() -> Any:
         return [m.model_dump(exclude_none=True) for m in body.messages]
 
     if house:
         return _stream(request, gen, HouseEncoder(gen), prompt)
+    tools = gen.tools.mode != "none"
     if body.stream:
-        return _stream(request, gen, OpenAIChatEncoder(gen, body.include_usage), prompt)
-    return await _whole(request, gen, chat_response, prompt)
+        encoder = ToolChatEncoder if tools else OpenAIChatEncoder
+        return _stream(request, gen, encoder(gen, body.include_usage), prompt)
+    return await _whole(request, gen, tool_chat_response if tools else chat_response, prompt)
 
 
 async def completions(request: Request) -> Response:

@@ -21,6 +21,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
 from gateway.settings import LimitSettings
 from gateway.tokenizing import PromptTokenizer
+from gateway.tools import NO_TOOLS, ToolPlan, plan_tools, template_messages, tool_template, uses_tools
 from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
@@ -71,6 +72,7 @@ class Generation:
         self._lease = lease
         self._prompt_ids = prompt_ids
         self._params = params  # the engine's form of ``sampling``
+        self.tools: ToolPlan = NO_TOOLS  # chat only: how answers become tool calls
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -128,14 +130,20 @@ class ChatService:
     ) -> Generation:
         """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``)."""
         route = lease.route
-        messages = [{"role": m.role, "content": m.text} for m in request.messages]
+        plan = plan_tools(request)
+        messages = template_messages(request.messages)
         if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
             messages.insert(0, {"role": "system", "content": route.system_prompt})
+        template, tools = route.chat_template, plan.template_tools()
+        if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
+            template = template or tool_template()
         prompt_ids = await self._tokenize(
-            lambda: self._chat_text(messages, route.chat_template), False, size=_size(messages)
+            lambda: self._chat_text(messages, template, tools), False, size=_size(messages)
         )
-        limit, logprobs = request.token_limit, request.num_logprobs
-        return self._start(request, lease, prompt_ids, limit, logprobs, "chatcmpl", constraint)
+        limit, logprobs, constraint = request.token_limit, request.num_logprobs, constraint or plan.constraint
+        gen = self._start(request, lease, prompt_ids, limit, logprobs, "chatcmpl", constraint)
+        gen.tools = plan
+        return gen
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
         prompt = request.prompt
@@ -158,10 +166,14 @@ class ChatService:
         return await self.chat(chat, lease)
 
     # -- helpers --------------------------------------------------------------------
-    def _chat_text(self, messages: list[dict[str, str]], template: str | None) -> str:
+    def _chat_text(
+        self, messages: list[dict[str, Any]], template: str | None, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if template:
             kwargs["chat_template"] = template
+        if tools:
+            kwargs["tools"] = tools
         try:
             return str(self._engine.tokenizer.apply_chat_template(messages, **kwargs))
         except Exception as exc:  # jinja raise_exception() in a template, bad roles
@@ -242,5 +254,5 @@ def _pick(*values: float | None) -> float:
     raise AssertionError("the last value is a default")
 
 
-def _size(messages: list[dict[str, str]]) -> int:
+def _size(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) for m in messages)

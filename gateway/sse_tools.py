@@ -1,0 +1,231 @@
+"""Chat answers with tool calls: the whole response and the stream, in OpenAI's shapes.
+
+Used only when a request offers tools (``Generation.tools.mode`` is not ``none``), so the
+plain chat encoder's hot path stays as it is.
+
+Streaming, per choice:
+
+- ``named``: the function is known before the first token: the first chunk carries the
+  call's ``index``, ``id``, ``type`` and ``name`` with empty ``arguments``, then each
+  generated piece of the arguments is an ``arguments`` fragment.
+- ``required``: the names are inside the generated JSON list (``[{"name": ..., "arguments":
+  {...}}, ...]``): each call's head goes out as soon as its name is complete, then its
+  arguments as fragments (``RequiredCallScanner``). An answer cut short before any name is
+  sent as content.
+- ``auto``: an answer whose first non-blank character cannot open a call (``tools.CALL_OPENERS``)
+  streams as content at once; one that can is buffered and parsed when the choice ends.
+
+A choice that ended with calls has ``finish_reason: "tool_calls"`` (``length`` stays ``length``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.protocol import usage_dict
+from gateway.service import Collected, Generation
+from gateway.sse import OpenAIChatEncoder, chat_logprobs
+from gateway.tools import CALL_OPENERS, ParsedCall, call_id, calls_of_answer, tool_call_dict
+from gateway.types import Chunk, StepOutput
+
+
+def _finish(reason: str | None, calls: list[ParsedCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
+    """The whole ``chat.completion`` body of a request that offered tools."""
+    choices = []
+    for c in result.choices:
+        content, calls = calls_of_answer(gen.tools, "".join(c.text), gen.route.tool_parser)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [tool_call_dict(call) for call in calls]
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c.logprobs),
+                "finish_reason": _finish(c.finish_reason, calls),
+            }
+        )
+    return {
+        "id": gen.id,
+        "object": "chat.completion",
+        "created": gen.created,
+        "model": gen.route.name,
+        "choices": choices,
+        "usage": usage_dict(result.prompt_tokens, result.completion_tokens),
+    }
+
+
+# The head of the next call in a ``required`` answer; the grammar writes "name" first.
+_CALL_HEAD = re.compile(
+    r'\s*(?:\}\s*)?[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
+)
+
+
+class RequiredCallScanner:
+    """Reads a ``required`` answer (``[{"name": ..., "arguments": {...}}, ...]``) as it grows:
+    ``feed`` returns ``("name", name)`` when a call's name is complete, then ``("arguments",
+    fragment)`` pieces of its arguments object as they are generated."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls = 0  # calls whose name went out
+        self._pos = 0  # where scanning resumes
+        self._in_args = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        self.text += piece
+        out: list[tuple[str, str]] = []
+        while True:
+            if not self._in_args:
+                head = _CALL_HEAD.match(self.text, self._pos)
+                if head is None:
+                    return out
+                out.append(("name", json.loads(head.group(1))))
+                self.calls += 1
+                self._pos, self._in_args, self._depth = head.end(), True, 0
+            start = self._pos
+            done = self._scan()
+            if self._pos > start:
+                out.append(("arguments", self.text[start : self._pos]))
+            if not done:
+                return out
+            self._in_args = False
+
+    def _scan(self) -> bool:
+        """Advance over the arguments object; True when it has closed."""
+        text = self.text
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._pos = i + 1
+                    return True
+        self._pos = len(text)
+        return False
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    buffered: list[str] = field(default_factory=list)
+    streaming_text: bool = False  # auto: known to be plain text, streamed as it comes
+    call_id: str = ""
+    scanner: RequiredCallScanner = field(default_factory=RequiredCallScanner)
+
+
+class ToolChatEncoder(OpenAIChatEncoder):
+    """``chat.completion.chunk`` events with ``tool_calls`` deltas."""
+
+    def __init__(self, gen: Generation, include_usage: bool) -> None:
+        super().__init__(gen, include_usage)
+        self._plan = gen.tools
+        self._parser = gen.route.tool_parser
+        self._states = {i: _ChoiceState(call_id=call_id()) for i in range(gen.sampling.n)}
+
+    def _event(
+        self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
+    ) -> bytes:
+        return (
+            self._prefix
+            + str(index).encode()
+            + b',"delta":'
+            + _json(delta)
+            + b',"logprobs":'
+            + _json(logprobs)
+            + b',"finish_reason":'
+            + _json(finish)
+            + b"}]"
+            + self._suffix
+        )
+
+    def start(self) -> bytes:
+        out = []
+        for i, state in self._states.items():
+            out.append(self._event(i, {"role": "assistant", "content": None}))
+            if self._plan.mode == "named":
+                head = {"index": 0, "id": state.call_id, "type": "function"}
+                head["function"] = {"name": self._plan.named, "arguments": ""}
+                out.append(self._event(i, {"tool_calls": [head]}))
+        return b"".join(out)
+
+    def step(self, step: StepOutput) -> bytes:
+        return b"".join(self._choice_chunk(c) for c in step.chunks if c.text or c.finish_reason or c.logprobs)
+
+    def _choice_chunk(self, c: Chunk) -> bytes:
+        state = self._states[c.index]
+        logprobs = chat_logprobs(c.logprobs)
+        if self._plan.mode == "named":
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]} if c.text else {}
+            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            return self._event(c.index, delta, logprobs, finish)
+        if self._plan.mode == "required":
+            return self._required_chunk(c, state, logprobs)
+        if state.streaming_text:
+            return self._event(c.index, {"content": c.text} if c.text else {}, logprobs, c.finish_reason)
+        state.buffered.append(c.text)
+        text = "".join(state.buffered)
+        if self._plan.mode == "auto" and text.strip() and not text.lstrip().startswith(CALL_OPENERS):
+            state.streaming_text = True
+            return self._event(c.index, {"content": text}, logprobs, c.finish_reason)
+        if c.finish_reason is None:
+            return self._event(c.index, {}, logprobs) if logprobs is not None else b""
+        return self._calls_events(c.index, text, logprobs, c.finish_reason)
+
+    def _required_chunk(self, c: Chunk, state: _ChoiceState, logprobs: Any) -> bytes:
+        """Each call's name as soon as it is complete, then its arguments as they grow."""
+        scanner = state.scanner
+        out = []
+        for kind, value in scanner.feed(c.text):
+            k = scanner.calls - 1
+            if kind == "name":
+                head = {"index": k, "id": state.call_id if k == 0 else call_id(), "type": "function"}
+                head["function"] = {"name": value, "arguments": ""}
+                out.append(self._event(c.index, {"tool_calls": [head]}))
+            else:
+                out.append(
+                    self._event(c.index, {"tool_calls": [{"index": k, "function": {"arguments": value}}]})
+                )
+        if c.finish_reason is not None:
+            if scanner.calls == 0:  # nothing went out as a call (cut short): the text as content
+                return b"".join(out) + self._calls_events(c.index, scanner.text, logprobs, c.finish_reason)
+            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            out.append(self._event(c.index, {}, logprobs, finish))
+        elif logprobs is not None:
+            out.append(self._event(c.index, {}, logprobs))
+        return b"".join(out)
+
+    def _calls_events(self, index: int, text: str, logprobs: Any, reason: str) -> bytes:
+        content, calls = calls_of_answer(self._plan, text, self._parser)
+        out = []
+        if content:
+            out.append(self._event(index, {"content": content}))
+        for k, call in enumerate(calls):
+            tool_call = {"index": k, **tool_call_dict(call, self._states[index].call_id if k == 0 else None)}
+            out.append(self._event(index, {"tool_calls": [tool_call]}))
+        out.append(self._event(index, {}, logprobs, _finish(reason, calls)))
+        return b"".join(out)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()

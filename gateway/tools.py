@@ -1,0 +1,367 @@
+"""Tool calling: the wire models of ``tools`` and ``tool_choice``, the checks on them, the
+grammar that forced calls are generated under, and the parser that reads ``auto`` answers.
+
+- ``plan_tools(request)`` checks the request (400 with ``param``) and returns a ``ToolPlan``:
+  ``none`` (plain text), ``auto`` (the model may answer with a call; the route's parser reads
+  it), ``required`` or ``named`` (generated under a JSON schema ``Constraint``, so the calls
+  always parse and validate).
+- Under ``named`` the model writes the arguments object itself (the grammar is the function's
+  ``parameters`` schema); under ``required`` it writes a JSON list of ``{"name", "arguments"}``
+  objects (one ``anyOf`` branch per tool; one item at most with ``parallel_tool_calls: false``),
+  as vLLM's ``get_json_schema_from_tools`` does.
+- ``parse_calls(text, names)`` is the ``json`` tool parser: a JSON object ``{"name": ...,
+  "arguments": {...}}`` (or a list of them), bare or in a fenced block (```tool_call or
+  ```json), is a call to an offered tool; any other text is plain content.
+
+No vllm here; the chat template that shows the tools to the model is
+``configs/templates/gemma-tools.jinja``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+
+from gateway.errors import InvalidRequest
+from gateway.types import Constraint
+
+if TYPE_CHECKING:
+    from gateway.protocol import ChatCompletionRequest, Message
+
+TOOL_TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "configs" / "templates" / "gemma-tools.jinja"
+
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+# -- wire models -------------------------------------------------------------------------
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _one_tool_choice_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    # One message at ``tool_choice`` rather than one per branch of the union.
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(
+            'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+        ) from None
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice, WrapValidator(_one_tool_choice_error)
+]
+
+
+# -- the plan ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    mode: ToolMode
+    tools: tuple[FunctionDef, ...] = ()
+    named: str | None = None  # the function forced by a named tool_choice
+    constraint: Constraint | None = None
+    parallel: bool = True  # False: one call at most
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tools)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The ``tools`` argument of the chat template (None: render as a plain chat)."""
+        if self.mode == "none" or not self.tools:
+            return None
+        return [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in self.tools]
+
+
+NO_TOOLS = ToolPlan("none")
+
+
+def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
+    """Check the tool fields and the tool turns of ``request``; 400 (with ``param``) if wrong."""
+    check_tool_messages(request.messages)
+    tools = tuple(t.function for t in request.tools or ())
+    choice = request.tool_choice
+    if choice is not None and not tools:
+        raise InvalidRequest("'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
+    _check_tools(tools)
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "auto":
+        return ToolPlan("auto", tools, parallel=request.parallel_tool_calls is not False)
+    if choice == "required":
+        return ToolPlan(
+            "required", tools, constraint=Constraint("json", calls_schema(tools, request.parallel_tool_calls))
+        )
+    by_name = {t.name: t for t in tools}
+    fn = by_name.get(choice.function.name)
+    if fn is None:
+        raise InvalidRequest(
+            f"tool_choice names the function '{choice.function.name[:64]}', which is not in 'tools'",
+            param="tool_choice",
+        )
+    return ToolPlan("named", tools, named=fn.name, constraint=Constraint("json", arguments_schema(fn)))
+
+
+def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    seen: set[str] = set()
+    for i, fn in enumerate(tools):
+        if fn.name in seen:
+            raise InvalidRequest(f"tools: the function name '{fn.name}' appears twice", param="tools")
+        seen.add(fn.name)
+        if fn.parameters is None:
+            continue
+        try:
+            Draft202012Validator.check_schema(fn.parameters)
+        except SchemaError as exc:
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters is not a valid JSON schema: {exc.message}", param="tools"
+            ) from None
+        if fn.parameters.get("type", "object") != "object":
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters must describe an object (type 'object')", param="tools"
+            )
+
+
+def check_tool_messages(messages: list[Message]) -> None:
+    """Tool turns as OpenAI requires them: ``tool_calls`` only on assistant messages, each
+    ``tool`` message answering an earlier call by ``tool_call_id``, every call answered."""
+    open_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequest(
+                f"messages[{i}]: only assistant messages may carry tool_calls", param="messages"
+            )
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequest(
+                    f"messages[{i}]: a 'tool' message needs a 'tool_call_id'", param="messages"
+                )
+            if m.tool_call_id not in open_ids:
+                raise InvalidRequest(
+                    f"messages[{i}]: a 'tool' message must answer a tool call of an earlier assistant "
+                    f"message; no call has the id '{m.tool_call_id[:64]}'",
+                    param="messages",
+                )
+            open_ids.discard(m.tool_call_id)
+            continue
+        if open_ids:
+            raise InvalidRequest(
+                f"messages[{i}]: an assistant message with 'tool_calls' must be followed by tool "
+                f"messages answering each call (unanswered: {', '.join(sorted(open_ids))[:200]})",
+                param="messages",
+            )
+        if m.tool_calls:
+            open_ids = {c.id for c in m.tool_calls}
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them, tool fields included; a tool message
+    gets the ``name`` of the function whose call it answers."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            names.update((c.id, c.function.name) for c in m.tool_calls)
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+            d["name"] = names.get(m.tool_call_id or "", m.name)
+        out.append(d)
+    return out
+
+
+def uses_tools(plan: ToolPlan, messages: list[Message]) -> bool:
+    """Whether the prompt needs a tool-aware template: tools offered, or tool turns in history."""
+    return plan.template_tools() is not None or any(m.tool_calls or m.role == "tool" for m in messages)
+
+
+# -- schemas -----------------------------------------------------------------------------
+def arguments_schema(fn: FunctionDef) -> dict[str, Any]:
+    """The schema of one call's arguments: the function's parameters (any object if none)."""
+    return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+
+
+def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[str, Any]:
+    """A JSON list of one or more calls, each ``{"name": <one tool>, "arguments": <its schema>}``.
+    ``$defs`` of the tools move to the top, where their ``#/$defs/...`` references point."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for fn in tools:
+        params = dict(arguments_schema(fn))
+        for key, value in (params.pop("$defs", None) or {}).items():
+            if key in defs and defs[key] != value:
+                raise InvalidRequest(
+                    f"tools: two different schemas are both named '$defs/{key}'", param="tools"
+                )
+            defs[key] = value
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [fn.name]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+# -- model text -> calls -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+_FENCE = re.compile(r"\s*```(?:tool_call|tool_code|json)?[ \t]*\n?(.*?)```", re.DOTALL)
+CALL_OPENERS = ("{", "[", "`")  # an auto answer that starts otherwise is plain text
+
+
+def parse_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ParsedCall]]:
+    """The ``json`` parser: (content, calls) of an ``auto`` answer. An answer that starts with
+    a call is one: a JSON object ``{"name": <an offered tool>, "arguments": {...}}``
+    (``parameters`` is read too) or a list of them, bare or in fenced blocks (```tool_call,
+    ```json); text after the fences stays content. Anything else is plain content."""
+    calls = _calls_of(text.strip(), names)
+    if calls:
+        return None, calls
+    found: list[ParsedCall] = []
+    pos = 0
+    while match := _FENCE.match(text, pos):
+        block = _calls_of(match.group(1).strip(), names)
+        if not block:
+            break
+        found.extend(block)
+        pos = match.end()
+    if found:
+        return text[pos:].strip() or None, found
+    return text, []
+
+
+def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
+    if not text or text[0] not in "[{":
+        return []
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return []
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return []
+        if not isinstance(args, dict):
+            return []
+        calls.append(ParsedCall(item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def parse_required(text: str) -> list[ParsedCall]:
+    """The calls of a ``required`` answer (a list under the grammar); [] if it was cut short."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(value, list):
+        return []
+    return [
+        ParsedCall(str(item["name"]), json.dumps(item.get("arguments", {}), ensure_ascii=False))
+        for item in value
+        if isinstance(item, dict) and "name" in item
+    ]
+
+
+def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of one finished choice under ``plan``; ``parser`` is the route's."""
+    if plan.mode == "named" and plan.named is not None:
+        return None, [ParsedCall(plan.named, text)]
+    if plan.mode == "required":
+        calls = parse_required(text)
+        return (None, calls) if calls else (text, [])
+    if plan.mode == "auto" and parser == "json":
+        content, calls = parse_calls(text, plan.names)
+        return content, calls if plan.parallel else calls[:1]
+    return text, []
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_dict(call: ParsedCall, call_id_: str | None = None) -> dict[str, Any]:
+    return {
+        "id": call_id_ or call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+@cache
+def tool_template() -> str:
+    """The built-in tool-aware Gemma template (read once)."""
+    return TOOL_TEMPLATE_PATH.read_text()

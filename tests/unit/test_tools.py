@@ -1,0 +1,493 @@
+"""Tool calling without an engine: request checks, grammars, the parser, the template."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from gateway.errors import InvalidRequest
+from gateway.protocol import ChatCompletionRequest
+from gateway.tools import (
+    TOOL_TEMPLATE_PATH,
+    ParsedCall,
+    calls_of_answer,
+    parse_calls,
+    plan_tools,
+    template_messages,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}},
+}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+
+
+def request(**kw: Any) -> ChatCompletionRequest:
+    body: dict[str, Any] = {"messages": USER}
+    body.update(kw)
+    return ChatCompletionRequest.model_validate(body)
+
+
+def test_no_tools_is_plain_chat() -> None:
+    plan = plan_tools(request())
+    assert plan.mode == "none" and plan.constraint is None and plan.template_tools() is None
+
+
+def test_tools_default_to_auto_without_a_grammar() -> None:
+    plan = plan_tools(request(tools=[WEATHER, ADD]))
+    assert plan.mode == "auto" and plan.constraint is None
+    assert plan.names == ("get_weather", "add")
+    assert plan.template_tools() == [WEATHER, ADD]
+
+
+def test_tool_choice_none_renders_no_tools() -> None:
+    plan = plan_tools(request(tools=[WEATHER], tool_choice="none"))
+    assert plan.mode == "none" and plan.template_tools() is None
+
+
+def test_named_choice_is_generated_under_the_function_parameters() -> None:
+    plan = plan_tools(
+        request(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    )
+    assert plan.mode == "named" and plan.named == "get_weather"
+    assert plan.constraint is not None and plan.constraint.kind == "json"
+    assert plan.constraint.value == WEATHER["function"]["parameters"]  # type: ignore[index]
+
+
+def test_named_choice_without_parameters_is_any_object() -> None:
+    fn = {"type": "function", "function": {"name": "ping"}}
+    plan = plan_tools(request(tools=[fn], tool_choice={"type": "function", "function": {"name": "ping"}}))
+    assert plan.constraint is not None and plan.constraint.value["type"] == "object"
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_required_schema_accepts_calls_of_offered_tools_only(parallel: bool | None) -> None:
+    plan = plan_tools(request(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=parallel))
+    assert plan.mode == "required" and plan.constraint is not None
+    schema = plan.constraint.value
+    jsonschema.Draft202012Validator.check_schema(schema)
+    ok = [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    jsonschema.validate(ok, schema)
+    two = ok + [{"name": "add", "arguments": {"a": 1}}]
+    for bad in (
+        [],
+        [{"name": "nope", "arguments": {}}],
+        [{"name": "get_weather", "arguments": {"days": 2}}],  # city is required
+        [{"name": "add", "arguments": {"a": "one"}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    if parallel is False:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(two, schema)
+    else:
+        jsonschema.validate(two, schema)
+
+
+def test_required_schema_lifts_defs_to_the_top() -> None:
+    params = {
+        "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}},
+        "$defs": {"Item": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+    }
+    fn = {"type": "function", "function": {"name": "put", "parameters": params}}
+    schema = plan_tools(request(tools=[fn], tool_choice="required")).constraint.value  # type: ignore[union-attr]
+    assert "Item" in schema["$defs"]
+    jsonschema.validate([{"name": "put", "arguments": {"item": {"n": 1}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "put", "arguments": {"item": {"n": "x"}}}], schema)
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+            "tools",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools",
+        ),
+    ],
+)
+def test_bad_tool_fields_are_400_with_param(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        plan_tools(request(**kw))
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"tools": [{"type": "function"}]},
+        {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+        {"tools": [{"type": "function", "function": {"name": "has spaces"}}]},
+        {"tools": [WEATHER], "tool_choice": "sometimes"},
+        {"functions": [{"name": "f"}]},
+        {"function_call": {"name": "f"}},
+        {"messages": [{"role": "function", "name": "f", "content": "x"}]},
+    ],
+)
+def test_malformed_tool_bodies_fail_validation(body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        request(**body)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        USER + [{"role": "tool", "content": "18 C"}],  # no tool_call_id
+        USER + [{"role": "tool", "tool_call_id": "call_x", "content": "18 C"}],  # answers nothing
+        USER
+        + [
+            {"role": "assistant", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_2", "content": "x"},
+        ],
+        USER
+        + [{"role": "assistant", "tool_calls": [CALL]}, {"role": "user", "content": "and?"}],  # unanswered
+        [{"role": "user", "content": "x", "tool_calls": [CALL]}],  # calls on a user message
+    ],
+)
+def test_malformed_tool_turns_are_400_messages(messages: list[dict[str, Any]]) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        plan_tools(request(messages=messages, tools=[WEATHER]))
+    assert info.value.param == "messages"
+
+
+def test_a_tool_round_trip_is_accepted_and_names_the_function() -> None:
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    req = request(messages=messages, tools=[WEATHER])
+    assert plan_tools(req).mode == "auto"
+    rendered = template_messages(req.messages)
+    assert rendered[1]["tool_calls"][0]["function"] == CALL["function"]
+    assert rendered[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1", "name": "get_weather"}
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+            None,
+            [("get_weather", {"city": "Paris"})],
+        ),
+        (' \n{"name": "add", "parameters": {"a": 1}}', None, [("add", {"a": 1})]),
+        (
+            '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]',
+            None,
+            [("add", {"a": 1}), ("add", {"a": 2})],
+        ),
+        (
+            '```tool_call\n{"name": "add", "arguments": "{\\"a\\": 3}"}\n```\nDone.',
+            "Done.",
+            [("add", {"a": 3})],
+        ),
+        ('```json\n{"name": "add", "arguments": {}}\n```', None, [("add", {})]),
+        ("It is sunny in Paris.", "It is sunny in Paris.", []),
+        ('{"name": "unknown", "arguments": {}}', '{"name": "unknown", "arguments": {}}', []),
+        ('{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": [1]}', []),
+        ('{"name": "add", "arguments": {"a": 1}', '{"name": "add", "arguments": {"a": 1}', []),  # cut short
+        ('Sure: {"name": "add", "arguments": {}}', 'Sure: {"name": "add", "arguments": {}}', []),
+    ],
+)
+def test_json_parser(text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    got_content, got = parse_calls(text, ("get_weather", "add"))
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_answers_by_mode() -> None:
+    tools = [WEATHER, ADD]
+    named = plan_tools(request(tools=tools, tool_choice={"type": "function", "function": {"name": "add"}}))
+    assert calls_of_answer(named, '{"a": 1}', "json") == (None, [ParsedCall("add", '{"a": 1}')])
+    required = plan_tools(request(tools=tools, tool_choice="required"))
+    content, calls = calls_of_answer(required, '[{"name": "add", "arguments": {"a": 2}}]', "json")
+    assert content is None and calls == [ParsedCall("add", '{"a": 2}')]
+    assert calls_of_answer(required, '[{"name": "add", "argu', "json") == ('[{"name": "add", "argu', [])
+    auto = plan_tools(request(tools=tools))
+    text = '{"name": "add", "arguments": {}}'
+    assert calls_of_answer(auto, text, "json")[1] == [ParsedCall("add", "{}")]
+    assert calls_of_answer(auto, text, "none") == (text, [])  # a route whose parser is off
+    two = f"[{text}, {text}]"
+    assert len(calls_of_answer(auto, two, "json")[1]) == 2
+    single = plan_tools(request(tools=tools, parallel_tool_calls=False))
+    assert len(calls_of_answer(single, two, "json")[1]) == 1  # parallel_tool_calls false: the first
+
+
+# -- the tool-aware template, rendered as transformers renders it -----------------------
+def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    out, _ = render_jinja_template(
+        [messages],
+        tools=tools,
+        chat_template=TOOL_TEMPLATE_PATH.read_text(),
+        add_generation_prompt=True,
+        bos_token="<bos>",
+    )
+    return str(out[0])
+
+
+def test_template_without_tools_matches_the_plain_gemma_template() -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+    ]
+    plain, _ = render_jinja_template(
+        [messages],
+        chat_template=(TOOL_TEMPLATE_PATH.parent / "gemma.jinja").read_text(),
+        add_generation_prompt=True,
+        bos_token="<bos>",
+    )
+    assert render(messages) == plain[0]
+
+
+def test_template_shows_tools_calls_and_results_and_the_parser_reads_its_call_format() -> None:
+    req = request(
+        messages=USER
+        + [
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ],
+        tools=[WEATHER],
+    )
+    plan = plan_tools(req)
+    text = render(template_messages(req.messages), plan.template_tools())
+    assert text.startswith("<bos><start_of_turn>user\nYou can call these functions:")
+    assert json.dumps(WEATHER["function"]) in text
+    model_turn = text.split("<start_of_turn>model\n")[1].split("<end_of_turn>")[0]
+    assert parse_calls(model_turn, plan.names) == (None, [ParsedCall("get_weather", '{"city": "Paris"}')])
+    assert "<start_of_turn>user\nResult of get_weather: 18 C, sunny<end_of_turn>" in text
+    assert text.endswith("<start_of_turn>model\n")
+
+
+# -- the stream encoder and whole responses, with the fake engine -----------------------
+def make_gen(words: list[str], n: int = 1, **kw: Any) -> Any:
+    from gateway.catalog import Catalog, Route, RoutingTable
+    from gateway.service import Generation
+    from gateway.types import SamplingSpec
+    from tests.unit.fakes import FakeEngine
+
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={}, errors={})
+    spec = SamplingSpec(max_tokens=kw.pop("max_tokens", 50), n=n, temperature=1.0)
+    gen = Generation(
+        FakeEngine(words=words), Catalog(lambda ids: table).acquire(None), [1, 2], spec, spec, "chatcmpl"
+    )
+    gen.tools = plan_tools(request(tools=[WEATHER, ADD], **kw))
+    return gen
+
+
+async def stream_chunks(gen: Any) -> list[dict[str, Any]]:
+    from gateway.sse import encode_stream
+    from gateway.sse_tools import ToolChatEncoder
+
+    raw = b"".join([part async for part in encode_stream(gen, ToolChatEncoder(gen, include_usage=False))])
+    parts = [p for p in raw.decode().split("\n\n") if p]
+    assert parts[-1] == "data: [DONE]"
+    return [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
+
+
+def assemble(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """What the openai SDK's stream helper does with the deltas, per choice."""
+    out: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            msg = out.setdefault(choice["index"], {"content": None, "tool_calls": {}, "finish_reason": None})
+            delta = choice["delta"]
+            if delta.get("content"):
+                msg["content"] = (msg["content"] or "") + delta["content"]
+            for tc in delta.get("tool_calls", []):
+                call = msg["tool_calls"].setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+                call["id"] = tc.get("id") or call["id"]
+                call["name"] = tc.get("function", {}).get("name") or call["name"]
+                call["arguments"] += tc.get("function", {}).get("arguments", "")
+            msg["finish_reason"] = choice["finish_reason"] or msg["finish_reason"]
+    return out
+
+
+async def test_named_stream_sends_the_name_first_then_argument_fragments() -> None:
+    words = ['{"city"', ': "Par', 'is"}']
+    gen = make_gen(words, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    chunks = await stream_chunks(gen)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    head = deltas[1]["tool_calls"][0]
+    assert head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[2:] if d.get("tool_calls")]
+    assert fragments == words  # streamed as generated
+    msg = assemble(chunks)[0]
+    assert msg["finish_reason"] == "tool_calls" and msg["content"] is None
+    assert msg["tool_calls"] == {
+        0: {"id": head["id"], "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    }
+
+
+async def test_required_stream_sends_each_name_then_its_argument_fragments() -> None:
+    words = [
+        '[{"name": "ad',
+        'd", "arguments": {"a"',
+        ": 1}}, ",
+        '{"name": "get_weather", "arguments": {"city": "X"}}]',
+    ]
+    chunks = await stream_chunks(make_gen(words, tool_choice="required"))
+    deltas = [c["choices"][0]["delta"].get("tool_calls") for c in chunks]
+    deltas = [d[0] for d in deltas if d]
+    assert deltas[0]["function"] == {"name": "add", "arguments": ""} and deltas[0]["index"] == 0
+    assert [d["function"]["arguments"] for d in deltas[1:3]] == ['{"a"', ": 1}"]  # streamed as generated
+    assert deltas[3]["index"] == 1 and deltas[3]["function"]["name"] == "get_weather"
+    msg = assemble(chunks)[0]
+    assert msg["finish_reason"] == "tool_calls"
+    calls = msg["tool_calls"]
+    assert [calls[0]["name"], calls[1]["name"]] == ["add", "get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"a": 1} and json.loads(calls[1]["arguments"]) == {
+        "city": "X"
+    }
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
+    from gateway.sse_tools import RequiredCallScanner
+
+    text = (
+        '[{"name": "add", "arguments": {"a": "x}{\\"]", "b": [1, {"c": 2}]}}, {"name": "f", "arguments": {}}]'
+    )
+    for size in (1, 2, 5, len(text)):
+        scanner, names, args = RequiredCallScanner(), [], []
+        for i in range(0, len(text), size):
+            for kind, value in scanner.feed(text[i : i + size]):
+                if kind == "name":
+                    names.append(value)
+                    args.append("")
+                else:
+                    args[-1] += value
+        assert names == ["add", "f"]
+        assert [json.loads(a) for a in args] == [{"a": 'x}{"]', "b": [1, {"c": 2}]}, {}]
+
+
+async def test_auto_stream_plain_text_flows_at_once() -> None:
+    chunks = await stream_chunks(make_gen(["It", " is", " sunny."]))
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert contents == [None, "It", " is", " sunny."]
+    msg = assemble(chunks)[0]
+    assert msg["content"] == "It is sunny." and msg["tool_calls"] == {} and msg["finish_reason"] == "stop"
+
+
+async def test_auto_stream_call_is_buffered_and_parsed() -> None:
+    chunks = await stream_chunks(make_gen(["  {", '"name": "add", "arguments": {"a": 2}', "}"], n=2))
+    for msg in assemble(chunks).values():
+        assert msg["content"] is None and msg["finish_reason"] == "tool_calls"
+        assert msg["tool_calls"][0]["name"] == "add" and json.loads(msg["tool_calls"][0]["arguments"]) == {
+            "a": 2
+        }
+
+
+async def test_auto_stream_json_that_is_no_call_ends_as_content() -> None:
+    msg = assemble(await stream_chunks(make_gen(["{", '"x": 1}'])))[0]
+    assert msg["content"] == '{"x": 1}' and msg["tool_calls"] == {} and msg["finish_reason"] == "stop"
+
+
+async def test_cut_short_required_answer() -> None:
+    gen = make_gen(['[{"name": "add", ', '"argu'], tool_choice="required", max_tokens=2)
+    msg = assemble(await stream_chunks(gen))[0]  # before a name is complete: the text
+    assert msg["finish_reason"] == "length" and msg["tool_calls"] == {}
+    assert msg["content"] == '[{"name": "add", "argu'
+    gen = make_gen(['[{"name": "add", ', '"arguments": {"a'], tool_choice="required", max_tokens=2)
+    msg = assemble(await stream_chunks(gen))[0]  # after: the call so far, as OpenAI does
+    assert msg["finish_reason"] == "length" and msg["content"] is None
+    assert msg["tool_calls"][0]["name"] == "add" and msg["tool_calls"][0]["arguments"] == '{"a'
+
+
+async def test_whole_response_carries_tool_calls() -> None:
+    from gateway.sse_tools import tool_chat_response
+
+    gen = make_gen(['{"name": "add", "arguments": {"a": 5}}'])
+    body = tool_chat_response(gen, await gen.collect())
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None and choice["message"]["role"] == "assistant"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "add", "arguments": '{"a": 5}'}
+    plain = make_gen(["Just", " text"])
+    choice = tool_chat_response(plain, await plain.collect())["choices"][0]
+    assert (
+        choice["message"] == {"role": "assistant", "content": "Just text"}
+        and choice["finish_reason"] == "stop"
+    )
+
+
+async def test_service_renders_tools_with_the_tool_template_and_constrains_forced_calls() -> None:
+    from gateway.catalog import Catalog, Route, RoutingTable
+    from gateway.service import ChatService
+    from gateway.settings import LimitSettings
+    from gateway.tools import tool_template
+    from tests.unit.fakes import FakeEngine
+
+    engine = FakeEngine(max_model_len=1000)
+    seen: list[dict[str, Any]] = []
+    render = engine.tokenizer.apply_chat_template
+
+    def spy(conversation: Any, **kwargs: Any) -> str:
+        seen.append(kwargs)
+        return render(conversation, **kwargs)
+
+    engine.tokenizer.apply_chat_template = spy  # type: ignore[method-assign]
+    table = RoutingTable(base=Route(name="b", kind="base"), routes={}, errors={})
+    service = ChatService(engine, LimitSettings())
+    catalog = Catalog(lambda ids: table)
+    gen = await service.chat(request(tools=[WEATHER], tool_choice="required"), catalog.acquire(None))
+    await gen.collect()
+    assert seen[0]["chat_template"] == tool_template() and seen[0]["tools"] == [WEATHER]
+    assert engine.calls[0][1].constraint is not None and engine.calls[0][1].constraint.kind == "json"
+    assert gen.tools.mode == "required"
+    gen = await service.chat(request(), catalog.acquire(None))  # no tools: the model's own template
+    await gen.collect()
+    assert "chat_template" not in seen[1] and "tools" not in seen[1]
+    assert engine.calls[1][1].constraint is None
+
+
+def test_completions_still_refuse_tools() -> None:
+    from gateway.protocol import CompletionRequest
+
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "x", "tools": [WEATHER]})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "x", "tool_choice": "required"})
