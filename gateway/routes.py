@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
 from gateway.catalog import Catalog, Lease
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.metrics import RequestRecord
 from gateway.middleware import Principal
 from gateway.playground import playground
@@ -33,6 +33,7 @@ from gateway.sse import (
     encode_stream,
 )
 from gateway.state import Gateway
+from gateway.tokenize_api import detokenize, tokenize
 
 
 def _gateway(request: Request) -> Gateway:
@@ -76,9 +77,15 @@ async def completions(request: Request) -> Response:
 
 async def house_chat(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request, HouseChatRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, HouseChatRequest, gw.settings.limits.max_body_bytes, any_type=True)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease))
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
+
+
+def require_model(model: str | None, task: str | None) -> None:
+    """OpenAI requires ``model`` on /v1/*; here a ``task`` may pick the route instead."""
+    if not model and not task:
+        raise InvalidRequest("you must provide a model parameter", param="model")
 
 
 async def _generate(
@@ -86,6 +93,8 @@ async def _generate(
 ) -> Generation:
     """Route the request (a lease on the route's current version) and start it; the lease
     is released if the start fails."""
+    if request.url.path.startswith("/v1/"):
+        require_model(model, task)
     lease = _gateway(request).lease(_principal(request), model, task)
     try:
         return await start(lease)
@@ -134,7 +143,7 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
     cards = []
     for route in table.all_routes():
         parent = None if route.kind == "base" else table.base.name
-        extra = {
+        extra: dict[str, Any] = {
             "kind": route.kind,
             "digest": route.digest,
             "rank": route.rank,
@@ -144,7 +153,8 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
         }
         cards.append(model_card(route.name, "gateway", created, parent, **extra))
         for alias in route.aliases:
-            cards.append(model_card(alias, "gateway", created, parent, alias_of=route.name, **extra))
+            root = parent or route.name  # an alias of the base model names it, not itself
+            cards.append(model_card(alias, "gateway", created, parent, root, alias_of=route.name, **extra))
     return cards
 
 
@@ -166,7 +176,7 @@ async def get_model(request: Request) -> Response:
     for card in _visible_cards(request):
         if card["id"] == name:
             return JSONResponse(card)
-    raise NotFound(f"The model '{name[:80]}' does not exist", param="model")
+    raise ModelNotFound(name)
 
 
 # -- operations -----------------------------------------------------------------------------
@@ -237,6 +247,8 @@ ROUTES = [
     HttpRoute("/v1/chat/completions", chat_completions, methods=["POST"]),
     HttpRoute("/v1/completions", completions, methods=["POST"]),
     HttpRoute("/chat", house_chat, methods=["POST"]),
+    HttpRoute("/tokenize", tokenize, methods=["POST"]),
+    HttpRoute("/detokenize", detokenize, methods=["POST"]),
     HttpRoute("/v1/models", list_models, methods=["GET"]),
     HttpRoute("/v1/models/{name:path}", get_model, methods=["GET"]),
     HttpRoute("/metrics", metrics, methods=["GET"]),
