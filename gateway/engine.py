@@ -191,9 +191,26 @@ class EngineManager:
         if vocab and any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
         try:
-            return _sampling_params(sampling)
+            params = _sampling_params(sampling)
+            self._verify(params)
+        except GatewayError:
+            raise
         except Exception as exc:
             raise _translate(exc) from None
+        return params
+
+    def _verify(self, params: Any) -> None:
+        """The checks vLLM makes when the request is queued (logprobs, logit_bias, stop
+        token ids against the model), made now. Structured outputs are left to the queue:
+        checking them compiles the grammar, and would twice."""
+        verify = getattr(params, "verify", None)
+        if verify is None or self._engine is None or params.structured_outputs is not None:
+            return
+        cfg = self._engine.vllm_config
+        try:
+            verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._tokenizer)
+        except TypeError:  # another vLLM's signature: it checks when the request is queued
+            log.debug("SamplingParams.verify has another signature; skipped")
 
     def _vocab_size(self) -> int:
         """The model's vocabulary (vLLM checks logit_bias against it only once the request
