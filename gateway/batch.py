@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from gateway.types import StepOutput, TokenLogprob
 
@@ -51,24 +52,35 @@ async def merge_steps(streams: list[AsyncIterator[StepOutput]], n: int) -> Async
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def echo_steps(
-    stream: AsyncIterator[StepOutput], text: str, first_token: str
-) -> AsyncIterator[StepOutput]:
-    """``stream`` with ``text`` (the prompt) before each choice's first chunk, and the
-    prompt's logprobs before that chunk's logprobs. ``first_token``: the prompt's first
-    token as text (the engine has no logprob, so no text, for it)."""
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """What to put before a prompt's completions: ``text`` (the prompt), ``first_token``
+    (its first token as text: the engine gives no logprob, so no text, for it), and with
+    ``prompt_only`` (``max_tokens: 0``) nothing after it (the engine made one token to drop)."""
+
+    text: str
+    first_token: str
+    prompt_only: bool = False
+
+
+async def echo_steps(stream: AsyncIterator[StepOutput], echo: Echo) -> AsyncIterator[StepOutput]:
+    """``stream`` with the prompt before each choice's first chunk, and the prompt's
+    logprobs before that chunk's logprobs."""
     echoed: set[int] = set()
     prompt_logprobs: list[TokenLogprob] | None = None
     async for step in stream:
         if prompt_logprobs is None and step.prompt_logprobs:
             prompt_logprobs = step.prompt_logprobs
             if prompt_logprobs[0].logprob is None:
-                prompt_logprobs[0].token = first_token
+                prompt_logprobs[0].token = echo.first_token
         for chunk in step.chunks:
-            if chunk.index in echoed:
-                continue
+            if echo.prompt_only:
+                chunk.text, chunk.num_tokens = ("" if chunk.index in echoed else echo.text), 0
+                if chunk.logprobs is not None:
+                    chunk.logprobs = [] if chunk.index in echoed else list(prompt_logprobs or [])
+            elif chunk.index not in echoed:
+                chunk.text = echo.text + chunk.text
+                if chunk.logprobs is not None and prompt_logprobs is not None:
+                    chunk.logprobs = [*prompt_logprobs, *chunk.logprobs]
             echoed.add(chunk.index)
-            chunk.text = text + chunk.text
-            if chunk.logprobs is not None and prompt_logprobs is not None:
-                chunk.logprobs = [*prompt_logprobs, *chunk.logprobs]
         yield step

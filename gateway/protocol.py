@@ -174,6 +174,13 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, as vLLM
+
+    @model_validator(mode="after")
+    def _zero_tokens_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.batch import echo_steps, merge_steps
+from gateway.batch import Echo, echo_steps, merge_steps
 from gateway.catalog import Lease, Route, SamplingDefaults
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import (
@@ -68,7 +68,7 @@ class Generation:
         id_prefix: str,
         *,
         more_prompts: Sequence[list[int]] = (),
-        echo: list[tuple[str, str]] | None = None,
+        echo: list[Echo] | None = None,
     ) -> None:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -83,7 +83,7 @@ class Generation:
         self._lease = lease
         self._prompt_ids = prompt_ids
         self._params = params  # the engine's form of ``sampling``
-        # completions only: prompts after the first, and per prompt (text, first token) to echo
+        # completions only: the prompts after the first, and what to echo per prompt
         self._more_prompts = list(more_prompts)
         self._echo = echo
         self._request_ids = (
@@ -127,7 +127,7 @@ class Generation:
             zip([self._prompt_ids, *self._more_prompts], self._request_ids, strict=True)
         ):
             stream = self._engine.generate(prompt, self._params, request_id, self.lora)
-            streams.append(echo_steps(stream, *self._echo[p]) if self._echo is not None else stream)
+            streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
         return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n)
 
     def close(self) -> None:
@@ -164,17 +164,18 @@ class ChatService:
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
         prompts = [await self._completion_ids(p) for p in request.prompts]
         echo = None
-        if request.echo:  # (prompt text, its first token) per prompt
+        prompt_only = request.echo and request.max_tokens == 0
+        if request.echo:
             decode = self._engine.tokenizer.decode
             echo = [
-                (p if isinstance(p, str) else decode(ids), decode(ids[:1]))
+                Echo(p if isinstance(p, str) else decode(ids), decode(ids[:1]), prompt_only)
                 for p, ids in zip(request.prompts, prompts, strict=True)
             ]
         return self._start(
             request,
             lease,
             prompts[0],
-            request.token_limit,
+            1 if prompt_only else request.token_limit,
             request.num_logprobs,
             "cmpl",
             more_prompts=prompts[1:],
@@ -238,7 +239,7 @@ class ChatService:
         id_prefix: str,
         *,
         more_prompts: list[list[int]] | None = None,
-        echo: list[tuple[str, str]] | None = None,
+        echo: list[Echo] | None = None,
     ) -> Generation:
         limits = self._limits
         if request.n > limits.max_n:

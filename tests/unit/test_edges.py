@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.batch import echo_steps, merge_steps
+from gateway.batch import Echo, echo_steps, merge_steps
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, model_card
@@ -262,7 +262,7 @@ async def test_echo_steps_once_per_choice() -> None:
         yield StepOutput([Chunk(0, "a", 1), Chunk(1, "b", 1)], 1, False)
         yield StepOutput([Chunk(0, "c", 1), Chunk(1, "d", 1, "stop")], 1, True)
 
-    texts = [[c.text for c in s.chunks] async for s in echo_steps(steps(), "P:", "<bos>")]
+    texts = [[c.text for c in s.chunks] async for s in echo_steps(steps(), Echo("P:", "<bos>"))]
     assert texts == [["P:a", "P:b"], ["c", "d"]]
 
 
@@ -274,3 +274,16 @@ async def test_logit_bias_beyond_the_vocabulary_is_refused() -> None:
     gen = await svc.complete(completion(logit_bias={"65": 5}), catalog.acquire("base"))
     assert gen.sampling.logit_bias == ((65, 5.0),)
     gen.close()
+
+
+async def test_echo_with_max_tokens_0_returns_only_the_prompt() -> None:
+    engine = LogprobEngine(words=["a", "b"])
+    svc, catalog = service(engine)
+    gen = await svc.complete(
+        completion(prompt="hi", echo=True, max_tokens=0, logprobs=0), catalog.acquire("base")
+    )
+    result = await gen.collect()
+    assert "".join(result.choices[0].text) == "hi" and result.completion_tokens == 0
+    assert [t.token for t in result.choices[0].logprobs or []] == ["<bos>", "h", "i"]
+    assert engine.calls[0][1].max_tokens == 1
+    assert refused(completion, max_tokens=0) == "max_tokens"
