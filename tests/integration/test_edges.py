@@ -179,6 +179,9 @@ def test_echo_returns_the_prompt_and_its_logprobs(http: httpx.Client) -> None:
         c["choices"][0]["text"] for c in stream(http, "/v1/completions", {**body, "logprobs": None})
     )
     assert streamed == choice["text"]
+    only = http.post("/v1/completions", json={**body, "max_tokens": 0}).json()  # scoring the prompt
+    assert only["choices"][0]["text"] == prompt and only["usage"]["completion_tokens"] == 0
+    assert only["choices"][0]["logprobs"]["tokens"] == lp["tokens"][: usage["prompt_tokens"]]
 
 
 def test_batched_prompts_are_one_choice_per_prompt_and_n(http: httpx.Client) -> None:
