@@ -203,12 +203,13 @@ def _chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     one_shot = " ".join(args.message)
     with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
+        model = args.model or (None if args.task else _base_model(client))
         while True:
             text = one_shot or _ask()
             if text is None:
                 return 0
             history.append({"role": "user", "content": text})
-            body: dict[str, Any] = {"model": args.model, "messages": history, "stream": True}
+            body: dict[str, Any] = {"model": model, "messages": history, "stream": True}
             if args.task:
                 body["task"] = args.task
             answer = []
@@ -231,6 +232,16 @@ def _chat(args: argparse.Namespace) -> int:
             history.append({"role": "assistant", "content": "".join(answer)})
             if one_shot:
                 return 0
+
+
+def _base_model(client: Any) -> str | None:
+    """The base model's name (/v1/* requires a model or a task); None if it cannot be read,
+    and the server's answer will say why."""
+    response = client.get("/v1/models")
+    if response.status_code != 200:
+        return None
+    cards = response.json().get("data", [])
+    return next((c["id"] for c in cards if c.get("kind") == "base" and not c.get("alias_of")), None)
 
 
 def _ask() -> str | None:

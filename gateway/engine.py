@@ -187,10 +187,38 @@ class EngineManager:
     def prepare(self, sampling: SamplingSpec) -> Any:
         """vLLM's SamplingParams, built (and so checked) before a stream starts: what vLLM
         would refuse is an InvalidRequest now, not an error event after the 200."""
+        vocab = self._vocab_size()
+        if vocab and any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
+            raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
         try:
-            return _sampling_params(sampling)
+            params = _sampling_params(sampling)
+            self._verify(params)
+        except GatewayError:
+            raise
         except Exception as exc:
             raise _translate(exc) from None
+        return params
+
+    def _verify(self, params: Any) -> None:
+        """The checks vLLM makes when the request is queued (logprobs, logit_bias, stop
+        token ids against the model), made now. Structured outputs are left to the queue:
+        checking them compiles the grammar, and would twice."""
+        verify = getattr(params, "verify", None)
+        if verify is None or self._engine is None or params.structured_outputs is not None:
+            return
+        cfg = self._engine.vllm_config
+        try:
+            verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._tokenizer)
+        except TypeError:  # another vLLM's signature: it checks when the request is queued
+            log.debug("SamplingParams.verify has another signature; skipped")
+
+    def _vocab_size(self) -> int:
+        """The model's vocabulary (vLLM checks logit_bias against it only once the request
+        is queued, after a stream's 200); 0 if not known."""
+        try:
+            return int(self._engine.vllm_config.model_config.get_vocab_size())
+        except AttributeError:
+            return 0
 
     async def generate(
         self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
@@ -201,12 +229,17 @@ class EngineManager:
         stream = engine.generate(
             {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request
         )
+        k = params.logprobs or 0
         try:
             async for out in stream:
+                prompt_lps = getattr(out, "prompt_logprobs", None)
                 yield StepOutput(
-                    chunks=[_chunk(c) for c in out.outputs],
+                    chunks=[_chunk(c, k) for c in out.outputs],
                     prompt_tokens=len(out.prompt_token_ids or prompt_ids),
                     finished=out.finished,
+                    prompt_logprobs=_logprobs(prompt_ids, prompt_lps, params.prompt_logprobs or 0)
+                    if prompt_lps
+                    else None,
                 )
         except GatewayError:
             raise
@@ -258,6 +291,8 @@ def _sampling_params(s: SamplingSpec) -> Any:
         logprobs=s.logprobs,
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias) or None,
+        prompt_logprobs=s.prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
         **extra,
     )
@@ -269,26 +304,33 @@ def _lora_request(lora: LoraSpec) -> Any:
     return LoRARequest(lora.name, lora.lora_id, lora.path)
 
 
-def _chunk(c: Any) -> Chunk:
+def _chunk(c: Any, k: int) -> Chunk:
     return Chunk(
         index=c.index,
         text=c.text,
         num_tokens=len(c.token_ids),
         finish_reason=c.finish_reason,
-        logprobs=_logprobs(c.token_ids, c.logprobs) if c.logprobs is not None else None,
+        logprobs=_logprobs(c.token_ids, c.logprobs, k) if c.logprobs is not None else None,
     )
 
 
-def _logprobs(token_ids: Sequence[int], positions: Any) -> list[TokenLogprob]:
+def _logprobs(token_ids: Sequence[int], positions: Any, k: int) -> list[TokenLogprob]:
+    """vLLM gives, per position, the chosen token plus the top ``k`` (the chosen one may
+    rank below k): ``top`` keeps exactly the ranks 1..k, best first. A position of None
+    (a prompt's first token) has no logprob."""
     result = []
     for token_id, position in zip(token_ids, positions, strict=False):
         chosen = position.get(token_id) if position else None
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0) if position else []
+        ranked = (
+            sorted((lp for lp in position.values() if lp.rank and lp.rank <= k), key=lambda lp: lp.rank)
+            if position
+            else []
+        )
         result.append(
             TokenLogprob(
                 token=(chosen.decoded_token or "") if chosen else "",
-                logprob=_finite(chosen.logprob) if chosen else -9999.0,
-                top=[(lp.decoded_token or "", _finite(lp.logprob)) for _, lp in ranked if lp.rank],
+                logprob=_finite(chosen.logprob) if chosen else None,
+                top=[(lp.decoded_token or "", _finite(lp.logprob)) for lp in ranked],
             )
         )
     return result

@@ -11,6 +11,7 @@ Exception tree::
      ├── NotFound                 404 invalid_request_error
      ├── MethodNotAllowed         405
      ├── PayloadTooLarge          413
+     ├── UnsupportedMediaType     415 (a body that is not JSON)
      ├── HeadersTooLarge          431
      ├── RateLimited              429 rate_limit_exceeded (Retry-After)
      ├── EngineUnavailable        503 service_unavailable
@@ -108,6 +109,12 @@ class PayloadTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
     default_code = "payload_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status_code = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
 
 
 class HeadersTooLarge(GatewayError):

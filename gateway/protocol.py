@@ -11,9 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.errors import InvalidRequest
 from gateway.tools import ToolCall, ToolChoice, ToolDef
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range
 
 
 class _Request(BaseModel):
@@ -22,8 +24,9 @@ class _Request(BaseModel):
 
     # Fields that would change the answer but that this gateway does not implement:
     # refusing them beats silently ignoring them. (Chat requests declare ``tools`` and
-    # ``tool_choice`` as fields, so only the other endpoints refuse them here.)
-    _unsupported = ("tools", "tool_choice", "best_of", "suffix", "echo")
+    # ``tool_choice`` as fields, completions ``echo``, so only the other endpoints refuse
+    # them here; chat refuses ``echo`` itself.)
+    _unsupported = ("tools", "tool_choice", "best_of", "suffix")
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:
@@ -32,7 +35,7 @@ class _Request(BaseModel):
                 raise ValueError(f"'{name}' is deprecated and not supported; use 'tools' and 'tool_choice'")
         for name in self._unsupported:
             value = (self.model_extra or {}).get(name)
-            if value not in (None, [], False, 1, "none", "auto"):
+            if not _harmless(value):
                 raise ValueError(f"'{name}' is not supported by this gateway")
         fmt = (self.model_extra or {}).get("response_format")
         if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
@@ -40,6 +43,14 @@ class _Request(BaseModel):
                 "response_format other than 'text' is not supported; route to the 'json' adapter"
             )
         return self
+
+
+def _harmless(value: Any) -> bool:
+    """A value that asks for nothing: absent, empty, off, "none"/"auto", or best_of 1.
+    Compared by type too: ``True == 1`` in Python, and ``echo: true`` is not harmless."""
+    if value is None or value is False or value == [] or value in ("none", "auto"):
+        return True
+    return type(value) is int and value == 1
 
 
 class StreamOptions(BaseModel):
@@ -57,7 +68,7 @@ class SamplingFields(_Request):
     top_k: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
@@ -66,6 +77,26 @@ class SamplingFields(_Request):
     user: str | None = Field(None, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # token id (a JSON object's keys are strings) -> bias added to its logit, as OpenAI
+    logit_bias: dict[int, float] | None = None
+
+    # InvalidRequest (not ValueError) passes through pydantic untouched, with its param.
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, bias: Any) -> Any:
+        if isinstance(bias, dict) and not all(str(k).isdigit() for k in bias):
+            raise InvalidRequest(
+                "logit_bias keys must be token ids (non-negative integers)", param="logit_bias"
+            )
+        return bias
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options can only be set when stream is true", param="stream_options")
+        if any(not -100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()):
+            raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")
+        return self
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -92,6 +123,16 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        # An image or audio part gets a clear answer rather than "should be a valid string".
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"'{kind[:40]}' content parts are not supported by this model (text only)")
+        return content
+
     @property
     def text(self) -> str:
         if self.content is None:
@@ -109,6 +150,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if (self.model_extra or {}).get("echo") not in (None, False):
+            raise InvalidRequest("echo is not supported on chat completions", param="echo")
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -128,18 +177,46 @@ class ChatCompletionRequest(SamplingFields):
         return self.top_logprobs or 0
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
-    logprobs: int | None = Field(None, ge=0)
+PromptInput = str | list[int]
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (vLLM allows 1024)
 
-    @field_validator("prompt")
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, as vLLM
+
+    @model_validator(mode="after")
+    def _zero_tokens_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+        return self
+
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError("only one prompt per request is supported")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and min(prompt) < 0:
-            raise ValueError("token ids must be non-negative")
+    def _check_prompts(cls, prompt: Any) -> Any:
+        # Before pydantic's union, so that a bad prompt is one clear message on "prompt".
+        if isinstance(prompt, str) or not isinstance(prompt, list) or not prompt:
+            return prompt
+        prompts = _as_prompts(prompt)
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        for one in prompts:
+            if not one:
+                raise ValueError("prompts must not be empty")
+            if isinstance(one, list) and not all(type(t) is int and t >= 0 for t in one):
+                raise ValueError("token ids must be non-negative integers")
+            if not isinstance(one, str | list) or type(one) is not type(prompts[0]):
+                raise ValueError(
+                    "prompt must be a string, a list of strings, token ids, or lists of token ids"
+                )
         return prompt
+
+    @property
+    def prompts(self) -> list[PromptInput]:
+        """One entry per prompt: text, or token ids."""
+        return _as_prompts(self.prompt)
 
     @property
     def token_limit(self) -> int | None:
@@ -148,6 +225,12 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+def _as_prompts(prompt: Any) -> list[PromptInput]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 class HouseChatRequest(_Request):
@@ -169,13 +252,16 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def model_card(name: str, owned_by: str, created: int, parent: str | None, **extra: Any) -> dict[str, Any]:
+def model_card(
+    name: str, owned_by: str, created: int, parent: str | None, root: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """``root``: the model at the bottom (default: ``parent``, else ``name`` itself)."""
     return {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": owned_by,
-        "root": name if parent is None else parent,
+        "root": root or parent or name,
         "parent": parent,
         **extra,
     }

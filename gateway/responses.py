@@ -20,14 +20,27 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from gateway.metrics import RequestRecord
 from gateway.service import Collected, Generation
 
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
+async def read_json(request: Request, model: type[M], max_bytes: int, any_type: bool = False) -> M:
+    """The body as ``model``. A declared Content-Type other than JSON is refused (415), as
+    vLLM does: a form-encoded body is not JSON. ``any_type`` accepts any (house ``/chat``,
+    whose clients post with ``curl -d``)."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None and not any_type and not _is_json(ctype):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, not '{ctype[:80]}'")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
@@ -49,6 +62,11 @@ async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
         param = ".".join(str(p) for p in err["loc"]) or None
         message = err["msg"].removeprefix("Value error, ")
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 class SSEResponse(StreamingResponse):

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
 from gateway.catalog import Catalog, Lease
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, ModelNotFound, NotFound
 from gateway.metrics import RequestRecord
 from gateway.middleware import Principal
 from gateway.playground import playground
@@ -37,6 +37,7 @@ from gateway.sse import (
 from gateway.sse_tools import ToolChatEncoder, tool_chat_response
 from gateway.state import Gateway
 from gateway.store import Stored
+from gateway.tokenize_api import detokenize, tokenize
 
 
 def _gateway(request: Request) -> Gateway:
@@ -85,7 +86,7 @@ async def completions(request: Request) -> Response:
 
 async def house_chat(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request, HouseChatRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, HouseChatRequest, gw.settings.limits.max_body_bytes, any_type=True)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease))
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
 
@@ -156,11 +157,19 @@ async def _stored(request: Request, response_id: str, param: str) -> Stored:
     return stored
 
 
+def require_model(model: str | None, task: str | None) -> None:
+    """OpenAI requires ``model`` on /v1/*; here a ``task`` may pick the route instead."""
+    if not model and not task:
+        raise InvalidRequest("you must provide a model parameter", param="model")
+
+
 async def _generate(
     request: Request, model: str | None, task: str | None, start: Callable[[Lease], Awaitable[Generation]]
 ) -> Generation:
     """Route the request (a lease on the route's current version) and start it; the lease
     is released if the start fails."""
+    if request.scope["path"].startswith("/v1/"):
+        require_model(model, task)
     lease = _gateway(request).lease(_principal(request), model, task)
     try:
         return await start(lease)
@@ -209,7 +218,7 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
     cards = []
     for route in table.all_routes():
         parent = None if route.kind == "base" else table.base.name
-        extra = {
+        extra: dict[str, Any] = {
             "kind": route.kind,
             "digest": route.digest,
             "rank": route.rank,
@@ -219,7 +228,8 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
         }
         cards.append(model_card(route.name, "gateway", created, parent, **extra))
         for alias in route.aliases:
-            cards.append(model_card(alias, "gateway", created, parent, alias_of=route.name, **extra))
+            root = parent or route.name  # an alias of the base model names it, not itself
+            cards.append(model_card(alias, "gateway", created, parent, root, alias_of=route.name, **extra))
     return cards
 
 
@@ -241,7 +251,7 @@ async def get_model(request: Request) -> Response:
     for card in _visible_cards(request):
         if card["id"] == name:
             return JSONResponse(card)
-    raise NotFound(f"The model '{name[:80]}' does not exist", param="model")
+    raise ModelNotFound(name)
 
 
 # -- operations -----------------------------------------------------------------------------
@@ -315,6 +325,8 @@ ROUTES = [
     HttpRoute("/v1/responses", create_response, methods=["POST"]),
     HttpRoute("/v1/responses/{response_id}", get_response, methods=["GET"]),
     HttpRoute("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    HttpRoute("/tokenize", tokenize, methods=["POST"]),
+    HttpRoute("/detokenize", detokenize, methods=["POST"]),
     HttpRoute("/v1/models", list_models, methods=["GET"]),
     HttpRoute("/v1/models/{name:path}", get_model, methods=["GET"]),
     HttpRoute("/metrics", metrics, methods=["GET"]),

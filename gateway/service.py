@@ -12,13 +12,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.catalog import Lease, Route
+from gateway.batch import Echo, echo_steps, merge_steps
+from gateway.catalog import Lease, Route, SamplingDefaults
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HouseChatRequest,
+    Message,
+    PromptInput,
+    SamplingFields,
+)
 from gateway.settings import LimitSettings
 from gateway.tokenizing import PromptTokenizer
 from gateway.tools import NO_TOOLS, ToolPlan, plan_tools, template_messages, tool_template, uses_tools
@@ -59,12 +67,16 @@ class Generation:
         sampling: SamplingSpec,
         params: Any,
         id_prefix: str,
+        *,
+        more_prompts: Sequence[list[int]] = (),
+        echo: list[Echo] | None = None,
     ) -> None:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.route: Route = lease.route
         self.sampling = sampling
-        self.prompt_tokens = len(prompt_ids)
+        self.prompt_tokens = len(prompt_ids) + sum(len(p) for p in more_prompts)
+        self.num_choices = sampling.n * (1 + len(more_prompts))
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.on_gap: Callable[[float], None] | None = None  # inter-step latency, for metrics
@@ -73,6 +85,12 @@ class Generation:
         self._prompt_ids = prompt_ids
         self._params = params  # the engine's form of ``sampling``
         self.tools: ToolPlan = NO_TOOLS  # chat only: how answers become tool calls
+        # completions only: the prompts after the first, and what to echo per prompt
+        self._more_prompts = list(more_prompts)
+        self._echo = echo
+        self._request_ids = (
+            [self.id] if not more_prompts else [f"{self.id}-{p}" for p in range(1 + len(more_prompts))]
+        )
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -82,7 +100,7 @@ class Generation:
         finished = False
         last = 0.0
         try:
-            async for step in self._engine.generate(self._prompt_ids, self._params, self.id, self.lora):
+            async for step in self._engine_steps():
                 now = time.monotonic()
                 if self.first_token_at is None:
                     self.first_token_at = now
@@ -98,16 +116,28 @@ class Generation:
             if not finished:
                 # The consumer left early (disconnect, error). Abort in a task of its own:
                 # awaiting here could be cancelled again before the engine hears of it.
-                task = asyncio.get_running_loop().create_task(self._engine.abort(self.id))
-                _background.add(task)
-                task.add_done_callback(_background.discard)
+                for request_id in self._request_ids:
+                    task = asyncio.get_running_loop().create_task(self._engine.abort(request_id))
+                    _background.add(task)
+                    task.add_done_callback(_background.discard)
+
+    def _engine_steps(self) -> AsyncIterator[StepOutput]:
+        if not self._more_prompts and self._echo is None:  # the hot path: one plain stream
+            return self._engine.generate(self._prompt_ids, self._params, self.id, self.lora)
+        streams = []
+        for p, (prompt, request_id) in enumerate(
+            zip([self._prompt_ids, *self._more_prompts], self._request_ids, strict=True)
+        ):
+            stream = self._engine.generate(prompt, self._params, request_id, self.lora)
+            streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
+        return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n)
 
     def close(self) -> None:
         """Release a generation that was never iterated."""
         self._lease.release()
 
     async def collect(self) -> Collected:
-        choices = {i: Choice(index=i) for i in range(self.sampling.n)}
+        choices = {i: Choice(index=i) for i in range(self.num_choices)}
         async for step in self.steps():
             for chunk in step.chunks:
                 choice = choices[chunk.index]
@@ -131,9 +161,7 @@ class ChatService:
         """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``)."""
         route = lease.route
         plan = plan_tools(request)
-        messages = template_messages(request.messages)
-        if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
-            messages.insert(0, {"role": "system", "content": route.system_prompt})
+        messages = _with_system(template_messages(request.messages), route)
         template, tools = route.chat_template, plan.template_tools()
         if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
             template = template or tool_template()
@@ -146,16 +174,47 @@ class ChatService:
         return gen
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            prompt_ids = [int(t) for t in prompt]
+        prompts = [await self._completion_ids(p) for p in request.prompts]
+        echo = None
+        prompt_only = request.echo and request.max_tokens == 0
+        if request.echo:
+            decode = self._engine.tokenizer.decode
+            echo = [
+                Echo(p if isinstance(p, str) else decode(ids), decode(ids[:1]), prompt_only)
+                for p, ids in zip(request.prompts, prompts, strict=True)
+            ]
+        return self._start(
+            request,
+            lease,
+            prompts[0],
+            1 if prompt_only else request.token_limit,
+            request.num_logprobs,
+            "cmpl",
+            more_prompts=prompts[1:],
+            echo=echo,
+        )
+
+    async def tokenize(
+        self, route: Route, text: str | list[Message], add_special_tokens: bool, **template_kwargs: Any
+    ) -> list[int]:
+        """Token ids of a text, or of messages as the route's chat prompt (the route's
+        template and system prompt, as ``chat`` builds them): ``/tokenize``."""
+        if isinstance(text, str):
+            return await self._tokenize(lambda: text, add_special_tokens, size=len(text))
+        messages = _with_system(template_messages(text), route)
+        return await self._tokenize(
+            lambda: self._chat_text(messages, route.chat_template, **template_kwargs),
+            add_special_tokens,
+            size=_size(messages),
+        )
+
+    async def _completion_ids(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, list):
             vocab = len(self._engine.tokenizer)
-            if max(prompt_ids) >= vocab:
+            if max(prompt) >= vocab:
                 raise InvalidRequest(f"token ids must be below the vocabulary size {vocab}", param="prompt")
-        else:
-            text = prompt if isinstance(prompt, str) else str(prompt[0])
-            prompt_ids = await self._tokenize(lambda: text, True, size=len(text))
-        return self._start(request, lease, prompt_ids, request.token_limit, request.num_logprobs, "cmpl")
+            return [int(t) for t in prompt]
+        return await self._tokenize(lambda: prompt, True, size=len(prompt))
 
     async def house(self, request: HouseChatRequest, lease: Lease) -> Generation:
         chat = ChatCompletionRequest(
@@ -167,9 +226,13 @@ class ChatService:
 
     # -- helpers --------------------------------------------------------------------
     def _chat_text(
-        self, messages: list[dict[str, Any]], template: str | None, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template: str | None,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
     ) -> str:
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True, **extra}
         if template:
             kwargs["chat_template"] = template
         if tools:
@@ -195,6 +258,9 @@ class ChatService:
         logprobs: int | None,
         id_prefix: str,
         constraint: Constraint | None = None,
+        *,
+        more_prompts: list[list[int]] | None = None,
+        echo: list[Echo] | None = None,
     ) -> Generation:
         limits = self._limits
         if request.n > limits.max_n:
@@ -205,46 +271,79 @@ class ChatService:
             raise InvalidRequest(f"logprobs must be at most {limits.max_logprobs}", param="logprobs")
         if any(not s for s in request.stop_list):
             raise InvalidRequest("stop sequences must not be empty", param="stop")
-        context = self._engine.max_model_len
-        room = context - len(prompt_ids)
-        if room <= 0:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {context} tokens, "
-                f"but the prompt has {len(prompt_ids)} tokens.",
-                param="messages" if id_prefix == "chatcmpl" else "prompt",
-            )
-        defaults = lease.route.defaults
-        if max_tokens is not None and max_tokens > room:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                f"{max_tokens} for the completion).",
-                param="max_tokens",
-            )
-        if max_tokens is None:
-            max_tokens = min(defaults.max_tokens or limits.default_max_tokens, room)
-        sampling = SamplingSpec(
-            max_tokens=max_tokens,
-            temperature=_pick(request.temperature, defaults.temperature, 1.0),
-            top_p=_pick(request.top_p, defaults.top_p, 1.0),
-            top_k=request.top_k or 0,
-            n=request.n,
-            stop=request.stop_list,
-            seed=request.seed,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=_pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
-            logprobs=logprobs,
-            ignore_eos=request.ignore_eos,
-            min_tokens=min(request.min_tokens, max_tokens),
-            constraint=constraint,
+        vocab = len(self._engine.tokenizer)
+        if any(token >= vocab for token in request.logit_bias or {}):
+            raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+        longest = max([prompt_ids, *(more_prompts or ())], key=len)
+        max_tokens = self._token_budget(
+            len(longest), max_tokens, lease, "messages" if id_prefix == "chatcmpl" else "prompt"
         )
+        sampling = _sampling(request, lease.route.defaults, max_tokens, logprobs, constraint)
+        if echo is not None and logprobs is not None:
+            sampling = replace(sampling, prompt_logprobs=logprobs)
         if sampling.n > 1 and sampling.temperature == 0:
             raise InvalidRequest(
                 "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
             )
         params = self._engine.prepare(sampling)
-        return Generation(self._engine, lease, prompt_ids, sampling, params, id_prefix)
+        return Generation(
+            self._engine,
+            lease,
+            prompt_ids,
+            sampling,
+            params,
+            id_prefix,
+            more_prompts=more_prompts or (),
+            echo=echo,
+        )
+
+    def _token_budget(self, prompt_len: int, max_tokens: int | None, lease: Lease, prompt_param: str) -> int:
+        """``max_tokens``, or the route's default if None, checked against the context left."""
+        context = self._engine.max_model_len
+        room = context - prompt_len
+        if room <= 0:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens, "
+                f"but the prompt has {prompt_len} tokens.",
+                param=prompt_param,
+            )
+        if max_tokens is not None and max_tokens > room:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion).",
+                param="max_tokens",
+            )
+        if max_tokens is None:
+            max_tokens = min(lease.route.defaults.max_tokens or self._limits.default_max_tokens, room)
+        return max_tokens
+
+
+def _sampling(
+    request: SamplingFields,
+    defaults: SamplingDefaults,
+    max_tokens: int,
+    logprobs: int | None,
+    constraint: Constraint | None,
+) -> SamplingSpec:
+    """Request values, else the route's defaults, else the gateway's."""
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=_pick(request.temperature, defaults.temperature, 1.0),
+        top_p=_pick(request.top_p, defaults.top_p, 1.0),
+        top_k=request.top_k or 0,
+        n=request.n,
+        stop=request.stop_list,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=_pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+        logprobs=logprobs,
+        ignore_eos=request.ignore_eos,
+        min_tokens=min(request.min_tokens, max_tokens),
+        logit_bias=tuple(sorted((request.logit_bias or {}).items())),
+        constraint=constraint,
+    )
 
 
 def _pick(*values: float | None) -> float:
@@ -252,6 +351,13 @@ def _pick(*values: float | None) -> float:
         if value is not None:
             return value
     raise AssertionError("the last value is a default")
+
+
+def _with_system(messages: list[dict[str, Any]], route: Route) -> list[dict[str, Any]]:
+    """The template's messages, with the route's system prompt unless they have one."""
+    if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
+        messages.insert(0, {"role": "system", "content": route.system_prompt})
+    return messages
 
 
 def _size(messages: list[dict[str, Any]]) -> int:

@@ -103,6 +103,10 @@ class OpenAIChatEncoder(_OpenAIEncoder):
 class OpenAICompletionEncoder(_OpenAIEncoder):
     object_name = "text_completion"
 
+    def __init__(self, gen: Generation, include_usage: bool) -> None:
+        super().__init__(gen, include_usage)
+        self._offsets: dict[int, int] = {}  # choice -> text_offset of its next token
+
     def start(self) -> bytes:
         return b""
 
@@ -110,7 +114,11 @@ class OpenAICompletionEncoder(_OpenAIEncoder):
         return b"".join(self._chunk(c) for c in step.chunks if c.text or c.finish_reason)
 
     def _chunk(self, c: Chunk) -> bytes:
-        logprobs = _dumps(completion_logprobs(c.logprobs)).encode() if c.logprobs is not None else b"null"
+        logprobs = b"null"
+        if c.logprobs is not None:
+            start = self._offsets.get(c.index, 0)
+            self._offsets[c.index] = start + sum(len(t.token) for t in c.logprobs)
+            logprobs = _dumps(completion_logprobs(c.logprobs, start)).encode()
         return (
             self._prefix
             + str(c.index).encode()
@@ -168,7 +176,7 @@ async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterato
 
 
 # -- logprobs and whole (non-streamed) responses ---------------------------------------
-def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+def _token_entry(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
@@ -183,17 +191,20 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
     }
 
 
-def completion_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+def completion_logprobs(items: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's completion logprobs; ``offset``: where the first token starts in the text
+    (a stream's later chunks continue from what was sent)."""
     if items is None:
         return None
-    offsets, pos = [], 0
+    offsets = []
     for t in items:
-        offsets.append(pos)
-        pos += len(t.token)
+        offsets.append(offset)
+        offset += len(t.token)
     return {
         "tokens": [t.token for t in items],
         "token_logprobs": [t.logprob for t in items],
-        "top_logprobs": [dict(t.top) for t in items],
+        # the top k, and the chosen token too (OpenAI: "up to logprobs + 1" entries)
+        "top_logprobs": [None if t.logprob is None else {**dict(t.top), t.token: t.logprob} for t in items],
         "text_offset": offsets,
     }
 

@@ -42,6 +42,8 @@ class SamplingSpec:
     ignore_eos: bool = False
     min_tokens: int = 0
     constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    prompt_logprobs: int | None = None  # top-k per prompt token (completions ``echo``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +55,11 @@ class LoraSpec:
 
 @dataclass(slots=True)
 class TokenLogprob:
+    """One token's logprob and the ``top`` k alternatives, best first. ``logprob`` is None
+    for a prompt's first token (nothing precedes it)."""
+
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -74,12 +79,17 @@ class StepOutput:
     chunks: list[Chunk]
     prompt_tokens: int
     finished: bool
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first step, if asked for
 
 
 class Tokenizer(Protocol):
     def __len__(self) -> int: ...
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 

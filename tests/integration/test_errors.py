@@ -22,21 +22,33 @@ def http(gateway: LiveGateway) -> httpx.Client:
         (b'{"messages": []}', 400, "messages"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
         (b'{"messages": "hello"}', 400, "messages"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "n": 100}', 400, "n"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -1}', 400, "top_p"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature"),
+        (b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "n": 100}', 400, "n"),
+        (b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "top_p": -1}', 400, "top_p"),
         (
-            b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50}',
+            b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+            400,
+            "temperature",
+        ),
+        (
+            b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50}',
             400,
             "logprobs",
         ),
         (
-            b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e","f","g","h","i"]}',
+            b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e","f","g","h","i"]}',
             400,
             "stop",
         ),
-        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', 400, "max_tokens"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, None),
+        (
+            b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+            400,
+            None,
+        ),
     ],
 )
 def test_bad_chat_bodies(
@@ -62,7 +74,7 @@ def test_unknown_path_and_wrong_method(http: httpx.Client) -> None:
 
 
 def test_completion_bad_prompts(http: httpx.Client, base_model: str) -> None:
-    for prompt in ("", [], ["a", "b"], [-1], [10**9]):
+    for prompt in ("", [], [""], [-1], [10**9], [["a"]]):  # a list of prompts is valid (test_edges)
         r = http.post("/v1/completions", json=completion_body(base_model, prompt, max_tokens=2))
         assert_openai_error(r, 400)
     still_serves(http, base_model)

@@ -29,6 +29,12 @@ class FakeTokenizer:
         ids = [ord(c) for c in text]
         return [2, *ids] if add_special_tokens else ids
 
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join("<bos>" if i == 2 else chr(i) for i in token_ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
     def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
         return {"input_ids": [self.encode(t, add_special_tokens) for t in texts]}
 

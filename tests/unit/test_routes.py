@@ -220,11 +220,14 @@ async def test_unknown_path_is_404_and_wrong_method_405(serve: Serve) -> None:
         (b'{"messages": []}', "messages"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
         (b'{"messages": "hello"}', "messages"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "n": 100}', "n"),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 100}', "n"),
         (b'{"messages": [{"role": "user", "content": "x"}], "top_p": -1}', "top_p"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', "max_tokens"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}', "max_tokens"),
+        (
+            b'{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}',
+            "max_tokens",
+        ),
     ],
 )
 async def test_bad_bodies_are_400_with_param(serve: Serve, content: bytes, param: str | None) -> None:

@@ -1,0 +1,289 @@
+"""Issue 16 edges without an engine: request validation, logprobs shapes, text_offset in
+streams, batched prompts and echo (merged engine streams), the model requirement."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.batch import Echo, echo_steps, merge_steps
+from gateway.catalog import Catalog, Route, RoutingTable
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, model_card
+from gateway.responses import _is_json
+from gateway.routes import require_model
+from gateway.service import ChatService, Generation
+from gateway.settings import LimitSettings
+from gateway.sse import OpenAICompletionEncoder, completion_logprobs, encode_stream
+from gateway.tokenize_api import TokenizeRequest
+from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
+from tests.unit.fakes import FakeEngine
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "base", "messages": USER, **fields})
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "base", "prompt": "Hi", **fields})
+
+
+def refused(make: Any, **fields: Any) -> str | None:
+    """The param of the 400 that ``make(**fields)`` raises."""
+    with pytest.raises((InvalidRequest, ValidationError)) as info:
+        make(**fields)
+    if isinstance(info.value, GatewayError):
+        return info.value.param
+    return ".".join(str(p) for p in info.value.errors()[0]["loc"])
+
+
+# -- request validation ---------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [2**64 + 1, 2**63, -(2**63) - 1])
+def test_seed_outside_int64_is_refused(seed: int) -> None:
+    assert refused(chat, seed=seed) == "seed"
+    assert refused(completion, seed=seed) == "seed"
+
+
+def test_seed_at_the_int64_edges_is_accepted() -> None:
+    assert chat(seed=2**63 - 1).seed == 2**63 - 1 and chat(seed=-(2**63)).seed == -(2**63)
+
+
+def test_echo_true_is_not_mistaken_for_one() -> None:
+    assert refused(chat, echo=True) == "echo"
+    assert chat(echo=False).model_extra == {"echo": False}
+    with pytest.raises(ValidationError):
+        chat(best_of=True)  # True == 1, but best_of=true is not "1"
+    assert chat(best_of=1).n == 1
+
+
+def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
+    assert refused(chat, top_logprobs=2) == "top_logprobs"
+    assert chat(top_logprobs=0).num_logprobs is None
+    assert chat(logprobs=True).num_logprobs == 0
+    assert refused(chat, stream_options={"include_usage": True}) == "stream_options"
+    assert refused(completion, stream_options={"include_usage": True}, stream=False) == "stream_options"
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+
+
+@pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"7": 100.5}, {"7": -101}])
+def test_bad_logit_bias_is_refused(bias: dict[str, float]) -> None:
+    assert refused(chat, logit_bias=bias) == "logit_bias"
+
+
+def test_logit_bias_keys_become_token_ids() -> None:
+    assert completion(logit_bias={"7": 100, "12": -100}).logit_bias == {7: 100.0, 12: -100.0}
+
+
+def test_image_parts_say_images_are_not_supported() -> None:
+    content = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
+    with pytest.raises(ValidationError) as info:
+        chat(messages=[{"role": "user", "content": content}])
+    err = info.value.errors()[0]
+    assert err["loc"] == ("messages", 0, "content") and "not supported" in err["msg"]
+
+
+def test_prompt_forms() -> None:
+    assert completion(prompt="a").prompts == ["a"]
+    assert completion(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert completion(prompt=[1, 2]).prompts == [[1, 2]]
+    assert completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    for bad in ([], [""], [[]], [[-1]], ["a", 1], ["a"] * 257):
+        assert refused(completion, prompt=bad) == "prompt"
+
+
+def test_model_is_required_unless_a_task_routes() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        require_model(None, None)
+    assert info.value.param == "model"
+    with pytest.raises(InvalidRequest):
+        require_model("", None)
+    require_model(None, "summary")
+    require_model("base", None)
+
+
+def test_json_content_types() -> None:
+    assert _is_json("application/json") and _is_json("Application/JSON; charset=utf-8")
+    assert _is_json("application/merge-patch+json")
+    assert not _is_json("application/x-www-form-urlencoded") and not _is_json("text/plain")
+
+
+def test_alias_card_root_names_its_target() -> None:
+    assert model_card("base", "gateway", 0, None, "gemma")["root"] == "gemma"
+    assert model_card("gemma", "gateway", 0, None)["root"] == "gemma"
+    assert model_card("loud", "gateway", 0, "gemma")["root"] == "gemma"
+
+
+def test_tokenize_request_needs_exactly_one_input() -> None:
+    assert TokenizeRequest.model_validate({"prompt": "x"}).messages is None
+    for body in ({}, {"prompt": "x", "messages": USER}, {"messages": USER, "continue_final_message": True}):
+        with pytest.raises(InvalidRequest):
+            TokenizeRequest.model_validate(body)
+
+
+# -- logprobs and streams ---------------------------------------------------------------------
+def test_completion_logprobs_offsets_and_top() -> None:
+    items = [
+        TokenLogprob("<bos>", None),
+        TokenLogprob("Hi", -0.5, [("Yo", -0.2)]),
+        TokenLogprob("!", -1.0, []),
+    ]
+    shaped = completion_logprobs(items, offset=10)
+    assert shaped == {
+        "tokens": ["<bos>", "Hi", "!"],
+        "token_logprobs": [None, -0.5, -1.0],
+        "top_logprobs": [None, {"Yo": -0.2, "Hi": -0.5}, {"!": -1.0}],
+        "text_offset": [10, 15, 17],
+    }
+
+
+class LogprobEngine(FakeEngine):
+    """Each word is one token with a logprob; per prompt, ``prompt_logprobs`` on the first step."""
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+    ) -> AsyncIterator[StepOutput]:
+        self.calls.append((prompt_ids, sampling, request_id, lora))
+        words = self.words[: sampling.max_tokens]
+        for i, word in enumerate(words):
+            await asyncio.sleep(0)
+            last = i == len(words) - 1
+            lps = [TokenLogprob(word, -1.0)] if sampling.logprobs is not None else None
+            chunks = [Chunk(n, word, 1, "length" if last else None, lps) for n in range(sampling.n)]
+            prompt_lps = None
+            if i == 0 and sampling.prompt_logprobs is not None:
+                prompt_lps = [TokenLogprob("", None), *(TokenLogprob(chr(t), -2.0) for t in prompt_ids[1:])]
+            yield StepOutput(chunks, len(prompt_ids), last, prompt_lps)
+
+
+def make_gen(**kw: Any) -> Generation:
+    table = RoutingTable(base=Route(name="base", kind="base"), routes={}, errors={})
+    spec = SamplingSpec(max_tokens=10, logprobs=0)
+    return Generation(
+        LogprobEngine(), Catalog(lambda ids: table).acquire("base"), [1, 2], spec, spec, "cmpl", **kw
+    )
+
+
+async def test_streamed_text_offset_continues_across_chunks() -> None:
+    gen = make_gen()
+    raw = b"".join([p async for p in encode_stream(gen, OpenAICompletionEncoder(gen, False))])
+    chunks = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    offsets = [c["choices"][0]["logprobs"]["text_offset"] for c in chunks]
+    assert offsets == [[0], [5], [11]]  # "Hello", " world", "!"
+
+
+# -- batched prompts and echo ------------------------------------------------------------------
+def service(engine: FakeEngine) -> tuple[ChatService, Catalog]:
+    table = RoutingTable(base=Route(name="base", kind="base"), routes={}, errors={})
+    return ChatService(engine, LimitSettings(max_n=4, max_logprobs=5)), Catalog(lambda ids: table)
+
+
+async def test_batched_prompts_index_choices_by_prompt_then_n() -> None:
+    engine = LogprobEngine(words=["a", "b"])
+    svc, catalog = service(engine)
+    gen = await svc.complete(
+        completion(prompt=[[2, 120], [2, 121, 122], [5, 6, 7]], n=2, temperature=1), catalog.acquire("base")
+    )
+    result = await gen.collect()
+    assert [c.index for c in result.choices] == [0, 1, 2, 3, 4, 5]
+    assert all("".join(c.text) == "ab" for c in result.choices)
+    assert result.prompt_tokens == 2 + 3 + 3 and result.completion_tokens == 12
+    assert [call[0] for call in engine.calls] == [[2, ord("x")], [2, ord("y"), ord("z")], [5, 6, 7]]
+    assert len({call[2] for call in engine.calls}) == 3
+
+
+async def test_batched_stream_finishes_once_all_prompts_have() -> None:
+    async def steps(p: int, count: int) -> AsyncIterator[StepOutput]:
+        for i in range(count):
+            await asyncio.sleep(0)
+            yield StepOutput([Chunk(0, f"{p}{i}", 1)], 1, i == count - 1)
+
+    out = [step async for step in merge_steps([steps(0, 3), steps(1, 1)], n=1)]
+    assert [s.finished for s in out][-1] and sum(s.finished for s in out) == 1
+    assert sorted((c.index, c.text) for s in out for c in s.chunks) == [
+        (0, "00"),
+        (0, "01"),
+        (0, "02"),
+        (1, "10"),
+    ]
+
+
+async def test_batched_stream_raises_an_engine_error_and_closes_the_rest() -> None:
+    closed: list[int] = []
+
+    async def fails() -> AsyncIterator[StepOutput]:
+        await asyncio.sleep(0)
+        raise InvalidRequest("bad")
+        yield  # an async generator
+
+    async def long() -> AsyncIterator[StepOutput]:
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield StepOutput([Chunk(0, "x", 1)], 1, False)
+        finally:
+            closed.append(1)
+
+    with pytest.raises(InvalidRequest):
+        async for _ in merge_steps([long(), fails()], n=1):
+            pass
+    assert closed == [1]
+
+
+async def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
+    engine = LogprobEngine(words=["a", "b"])
+    svc, catalog = service(engine)
+    gen = await svc.complete(
+        completion(prompt=[[2, 120, 121], [5, 6]], echo=True, logprobs=1), catalog.acquire("base")
+    )
+    result = await gen.collect()
+    assert ["".join(c.text) for c in result.choices] == ["<bos>xyab", "\x05\x06ab"]
+    first = result.choices[0].logprobs or []
+    assert [t.token for t in first] == ["<bos>", "x", "y", "a", "b"] and first[0].logprob is None
+    assert engine.calls[0][1].prompt_logprobs == 1
+
+
+async def test_echo_without_logprobs_asks_for_no_prompt_logprobs() -> None:
+    engine = LogprobEngine(words=["a"])
+    svc, catalog = service(engine)
+    gen = await svc.complete(completion(prompt="hi", echo=True), catalog.acquire("base"))
+    assert ["".join(c.text) for c in (await gen.collect()).choices] == ["hia"]
+    assert engine.calls[0][1].prompt_logprobs is None
+
+
+async def test_echo_steps_once_per_choice() -> None:
+    async def steps() -> AsyncIterator[StepOutput]:
+        yield StepOutput([Chunk(0, "a", 1), Chunk(1, "b", 1)], 1, False)
+        yield StepOutput([Chunk(0, "c", 1), Chunk(1, "d", 1, "stop")], 1, True)
+
+    texts = [[c.text for c in s.chunks] async for s in echo_steps(steps(), Echo("P:", "<bos>"))]
+    assert texts == [["P:a", "P:b"], ["c", "d"]]
+
+
+async def test_logit_bias_beyond_the_vocabulary_is_refused() -> None:
+    svc, catalog = service(FakeEngine())
+    with pytest.raises(InvalidRequest) as info:
+        await svc.complete(completion(logit_bias={str(0x110000): 5}), catalog.acquire("base"))
+    assert info.value.param == "logit_bias"
+    gen = await svc.complete(completion(logit_bias={"65": 5}), catalog.acquire("base"))
+    assert gen.sampling.logit_bias == ((65, 5.0),)
+    gen.close()
+
+
+async def test_echo_with_max_tokens_0_returns_only_the_prompt() -> None:
+    engine = LogprobEngine(words=["a", "b"])
+    svc, catalog = service(engine)
+    gen = await svc.complete(
+        completion(prompt="hi", echo=True, max_tokens=0, logprobs=0), catalog.acquire("base")
+    )
+    result = await gen.collect()
+    assert "".join(result.choices[0].text) == "hi" and result.completion_tokens == 0
+    assert [t.token for t in result.choices[0].logprobs or []] == ["<bos>", "h", "i"]
+    assert engine.calls[0][1].max_tokens == 1
+    assert refused(completion, max_tokens=0) == "max_tokens"
