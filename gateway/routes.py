@@ -276,7 +276,8 @@ async def ready(request: Request) -> Response:
         return JSONResponse({"status": "draining"}, 503)
     if gw.is_ready:
         return JSONResponse({"status": "ready", "model": gw.engine.served_model_name})
-    return JSONResponse({"status": "starting" if not gw.startup_error else "error"}, 503)
+    failed = gw.startup_error or gw.engine.errored
+    return JSONResponse({"status": "error" if failed else "starting"}, 503)
 
 
 async def admin_adapters(request: Request) -> Response:
