@@ -14,8 +14,10 @@ learn whether its adapter is warm.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal
 
 from gateway.catalog import Route
@@ -28,13 +30,17 @@ Residency = Literal["gpu", "loaded", "not loaded"]
 
 
 class AdapterSlots:
-    def __init__(self, engine: Engine, metrics: GatewayMetrics, max_loras: int) -> None:
+    def __init__(
+        self, engine: Engine, metrics: GatewayMetrics, max_loras: int, snapshots: Path | None = None
+    ) -> None:
         self.engine = engine
+        self.snapshots = snapshots  # adapter copies under it leave with their version
         self.metrics = metrics
         self.max_loras = max_loras
         self.registered: set[int] = set()  # ids added by us and not removed since
         self.pinned: set[int] = set()
         self.resident: set[int] = set()  # the engine's list_loras(), as last seen
+        self.paths: dict[int, Path] = {}
 
     async def register(self, route: Route) -> None:
         """Add, pin and warm one route's adapter; an id already registered is not loaded
@@ -48,6 +54,7 @@ class AdapterSlots:
             self.metrics.adapter_loads.labels(route.name).inc()
             self.registered.add(lora.lora_id)
             self.resident.add(lora.lora_id)
+            self.paths[lora.lora_id] = Path(lora.path)
             if route.preload:
                 await self._preload(route)
         if route.pinned and lora.lora_id not in self.pinned:
@@ -86,6 +93,9 @@ class AdapterSlots:
         self.registered.discard(lora_id)
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
+        path = self.paths.pop(lora_id, None)
+        if path is not None and self.snapshots is not None and path.parent == self.snapshots:
+            shutil.rmtree(path, ignore_errors=True)
 
     async def refresh(self) -> None:
         self.resident = set(await self.engine.list_loras())

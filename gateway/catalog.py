@@ -25,7 +25,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.adapters_check import ModelShapes, adapter_digest, check_adapter, one_line, safe_adapter_path
+from gateway.adapters_check import (
+    ModelShapes,
+    adapter_digest,
+    check_adapter,
+    one_line,
+    safe_adapter_path,
+    snapshot_adapter,
+)
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
 from gateway.types import LoraSpec
 
@@ -141,9 +148,11 @@ def load_table(
     max_lora_rank: int,
     model_modules: ModelShapes | None,
     lora_ids: LoraIds,
+    snapshots: Path | None = None,
 ) -> RoutingTable:
     """Build a table from the catalog file. A broken file raises ``ConfigError``;
-    a broken entry is left out and reported in ``table.errors``."""
+    a broken entry is left out and reported in ``table.errors``. With ``snapshots``, the
+    engine is given a content-addressed copy of each adapter (``snapshot_adapter``)."""
     try:
         text = catalog_path.read_text()
         if not text.strip():  # an editor's save truncates first: never read that as "no routes"
@@ -171,6 +180,8 @@ def load_table(
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
             route = _build_route(entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids)
+            if snapshots is not None and route.lora is not None:
+                route = _on_snapshot(route, snapshots, lora_ids)
         except (ConfigError, ValidationError) as exc:
             errors[label] = _one_line(exc)
             log.error("catalog entry %s rejected: %s", label, errors[label])
@@ -221,6 +232,16 @@ def _build_route(
         preload=entry.preload,
         **common,
     )
+
+
+def _on_snapshot(route: Route, snapshots: Path, lora_ids: LoraIds) -> Route:
+    assert route.lora is not None
+    try:
+        path, digest = snapshot_adapter(Path(route.lora.path), snapshots)
+    except OSError as exc:
+        raise ConfigError(f"could not copy the adapter to {snapshots}: {one_line(exc)}") from None
+    lora = replace(route.lora, lora_id=lora_ids.id_for(digest), path=str(path))
+    return replace(route, lora=lora, digest=digest)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -339,6 +360,8 @@ class Catalog:
                 else:
                     self._pending_removal.append(route.lora.lora_id)
         self._retired.difference_update(live)
+        # A version that comes back (files restored) before it left the engine stays.
+        self._pending_removal = [i for i in self._pending_removal if i not in live]
         self.table = table
         self.last_error = "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
         self.reloads += 1

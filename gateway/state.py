@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from gateway.adapter_slots import AdapterSlots
-from gateway.adapters_check import ModelShapes, model_shapes
+from gateway.adapters_check import ModelShapes, model_shapes, prune_snapshots
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
@@ -40,10 +40,13 @@ class Gateway:
         bound = settings.limits.max_inflight or 4 * settings.engine.max_num_seqs
         self.admission = Admission(bound, settings.limits.retry_after_s)
         self.metrics = GatewayMetrics()
-        self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.max_loras)
+        self.adapters = AdapterSlots(
+            self.engine, self.metrics, settings.engine.max_loras, settings.cache_dir / "adapters"
+        )
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0
         self._model_shapes: ModelShapes | None = None
+        self.snapshots = settings.cache_dir / "adapters"  # what the engine loads from
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
         self.request_exit: Callable[[], None] = lambda: None
@@ -72,6 +75,8 @@ class Gateway:
             await self.engine.start()
             self._model_shapes = model_shapes(self.engine.model_path or "")
             self.catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
+            live = {r.lora.path for r in self.catalog.table.all_routes() if r.lora is not None}
+            prune_snapshots(self.snapshots, live)  # copies left by an earlier run
             await self.catalog.load_adapters()
             self.metrics.set_routes(route_names(self.catalog.table))
             freeze_startup_heap()
@@ -89,6 +94,7 @@ class Gateway:
             max_lora_rank=s.engine.max_lora_rank,
             model_modules=self._model_shapes,
             lora_ids=ids,
+            snapshots=self.snapshots,
         )
 
     async def reload_catalog(self) -> bool:

@@ -153,3 +153,40 @@ def test_pinned_or_preload_on_a_preset_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "adapters").mkdir()
     t = table(tmp_path, None, "  - {name: p, system_prompt: hi, pinned: true, preload: true}\n")
     assert t.errors["p"] == "pinned, preload need an adapter"
+
+
+def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
+    """Files edited in place never change what an engine LoRA id (or name and path,
+    vLLM's prefix-cache key) stands for: the engine reads a copy named by its digest."""
+    original = copy_adapter(tmp_path)
+    snapshots = tmp_path / "cache" / "adapters"
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text("routes:\n  - {name: shout, adapter: shout}\n")
+
+    def build(ids: LoraIds) -> RoutingTable:
+        return load_table(
+            catalog,
+            base_name=EMBEDDED_NAME,
+            adapters_root=tmp_path / "adapters",
+            max_lora_rank=16,
+            model_modules=None,
+            lora_ids=ids,
+            snapshots=snapshots,
+        )
+
+    live = Catalog(build)
+    first = live.table.routes["shout"]
+    assert first.lora is not None and first.digest is not None
+    assert first.lora.path == str(snapshots / first.digest) and first.lora.name == "shout"
+    assert sorted(p.name for p in Path(first.lora.path).iterdir()) == sorted(
+        p.name for p in original.iterdir()
+    )
+    (original / "adapter_config.json").write_text((SHIPPED / "json" / "adapter_config.json").read_text())
+    weights = (SHIPPED / "json" / "adapter_model.safetensors").read_bytes()
+    (original / "adapter_model.safetensors").write_bytes(weights)  # in place, same path
+    assert live.reload()
+    second = live.table.routes["shout"]
+    assert second.lora is not None and second.lora.path != first.lora.path
+    assert (Path(first.lora.path) / "adapter_model.safetensors").read_bytes() != weights  # the old copy
+    assert (Path(second.lora.path) / "adapter_model.safetensors").read_bytes() == weights
+    assert {p.name for p in snapshots.iterdir()} == {first.digest, second.digest}  # no staging left

@@ -118,3 +118,14 @@ def test_two_versions_of_a_route_never_share_an_engine_name() -> None:
     during.release()
     after.release()
     assert catalog.in_use() == {}
+
+
+async def test_a_removed_version_takes_its_copy_along(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = SlotEngine()
+    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, tmp_path)  # type: ignore[arg-type]
+    copy = tmp_path / ("ab" * 32)
+    copy.mkdir()
+    route = Route(name="shout", kind="lora", lora=LoraSpec("shout", 7, str(copy)), digest="ab" * 32)
+    await s.register(route)
+    await s.remove(7)
+    assert not copy.exists() and engine.loras == set()
