@@ -106,10 +106,11 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         assert any(start <= moment <= end for _, _, _, start, end in results), "no request in flight at a swap"
     assert {"shout", "json", "hot"} <= {r[0] for r in results}
 
-    # 5. Drained: the engine holds exactly the live versions, no leftover ids.
+    # 5. Drained: the engine holds only live versions, no leftover ids (a live one may have
+    #    left the engine's LRU cache: it is loaded again on demand).
     def no_leftovers() -> bool:
         state = admin(gateway)
-        return set(state["engine_loras"]) == set(state["live_loras"]) and not state["in_use"]  # type: ignore[arg-type]
+        return set(state["engine_loras"]) <= set(state["live_loras"]) and not state["in_use"]  # type: ignore[arg-type]
 
     await eventually_async(no_leftovers, 10, "the engine holds only the live adapters", lambda: str(admin(gateway)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -120,7 +121,7 @@ def test_two_versions_of_a_route_never_share_an_engine_name() -> None:
     assert catalog.in_use() == {}
 
 
-async def test_a_removed_version_takes_its_copy_along(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_a_removed_version_takes_its_copy_along(tmp_path: Path) -> None:
     engine = SlotEngine()
     s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, tmp_path)  # type: ignore[arg-type]
     copy = tmp_path / ("ab" * 32)
@@ -129,3 +130,10 @@ async def test_a_removed_version_takes_its_copy_along(tmp_path) -> None:  # type
     await s.register(route)
     await s.remove(7)
     assert not copy.exists() and engine.loras == set()
+
+
+def test_max_cpu_loras_is_a_flag() -> None:
+    from gateway.cli import _overrides, build_parser
+
+    args = build_parser().parse_args(["serve", "--max-cpu-loras", "12"])
+    assert _overrides(args)["engine.max_cpu_loras"] == 12
