@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from gateway.catalog import Route
+from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.types import Engine, SamplingSpec
 
@@ -47,7 +48,8 @@ class AdapterSlots:
         again. Raises the engine's ``GatewayError`` if it refuses the adapter."""
         lora = route.lora
         assert lora is not None
-        if lora.lora_id not in self.registered:
+        fresh = lora.lora_id not in self.registered
+        if fresh:
             t0 = time.perf_counter()
             await self.engine.add_lora(lora)
             self.metrics.adapter_load_seconds.labels(route.name).observe(time.perf_counter() - t0)
@@ -55,10 +57,15 @@ class AdapterSlots:
             self.registered.add(lora.lora_id)
             self.resident.add(lora.lora_id)
             self.paths[lora.lora_id] = Path(lora.path)
-            if route.preload:
+        try:
+            if route.preload and fresh:
                 await self._preload(route)
-        if route.pinned and lora.lora_id not in self.pinned:
-            await self._pin(route)
+            if route.pinned and lora.lora_id not in self.pinned:
+                await self._pin(route)
+        except GatewayError:
+            if fresh:  # the route is rejected: its weights must not stay behind
+                await self.remove(lora.lora_id)
+            raise
 
     async def _pin(self, route: Route) -> None:
         assert route.lora is not None

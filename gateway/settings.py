@@ -143,7 +143,7 @@ class GatewaySettings(BaseSettings):
         "are seen through the kernel's notifications, not by polling)",
     )
     cache_dir: Path = Field(
-        Path.home() / ".cache" / "gateway", description="prepared models, and the adapter copies the engine loads"
+        Path.home() / ".cache" / "gateway", description="prepared models, adapter copies the engine loads"
     )
 
     @field_validator("catalog", "adapters_root", "cache_dir")

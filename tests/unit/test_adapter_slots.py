@@ -137,3 +137,21 @@ def test_max_cpu_loras_is_a_flag() -> None:
 
     args = build_parser().parse_args(["serve", "--max-cpu-loras", "12"])
     assert _overrides(args)["engine.max_cpu_loras"] == 12
+
+
+async def test_a_failed_warm_up_takes_the_weights_back_out() -> None:
+    from gateway.errors import EngineFailed
+
+    s, engine, _ = slots()
+
+    async def failing_pin(lora_id: int) -> None:
+        raise EngineFailed("no")
+
+    engine.pin_lora = failing_pin  # type: ignore[method-assign]
+    try:
+        await s.register(lora_route("shout", 1, pinned=True))
+    except EngineFailed:
+        pass
+    else:
+        raise AssertionError("the failure must reach the catalog, which rejects the route")
+    assert engine.loras == set() and s.registered == set()
