@@ -80,6 +80,8 @@ class CatalogWatcher:
         paths = [p for p in (self.catalog_path.parent, self.adapters_root) if p.is_dir()]
         if self.adapters_root not in paths:
             log.warning("adapters root %s does not exist: adapter files are not watched", self.adapters_root)
+        # watchfiles logs "N changes detected" at INFO; the line below names the files.
+        logging.getLogger("watchfiles.main").setLevel(logging.WARNING)
         self.watching.set()
         async for changes in awatch(
             *paths,
