@@ -179,14 +179,15 @@ def adapter_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def snapshot_adapter(path: Path, snapshots: Path) -> tuple[Path, str]:
+def snapshot_adapter(path: Path, snapshots: Path, digest: str | None = None) -> tuple[Path, str]:
     """A content-addressed copy of the adapter (``snapshots/<digest>``) and its digest.
 
     The engine loads from the copy, so a LoRA id always means the same bytes: vLLM reads
     ``lora_path`` again when an evicted adapter is used, and keys its prefix cache by
     (name, path), so files edited in place must not be read under an old id or name.
-    Unchanged files cost a hash; changed ones one copy, renamed into place whole."""
-    digest = adapter_digest(path)
+    Unchanged files cost a hash (none if ``digest`` is given); changed ones one copy,
+    renamed into place whole."""
+    digest = digest or adapter_digest(path)
     target = snapshots / digest
     if target.is_dir():
         return target, digest

@@ -237,7 +237,7 @@ def _build_route(
 def _on_snapshot(route: Route, snapshots: Path, lora_ids: LoraIds) -> Route:
     assert route.lora is not None
     try:
-        path, digest = snapshot_adapter(Path(route.lora.path), snapshots)
+        path, digest = snapshot_adapter(Path(route.lora.path), snapshots, route.digest)
     except OSError as exc:
         raise ConfigError(f"could not copy the adapter to {snapshots}: {one_line(exc)}") from None
     lora = replace(route.lora, lora_id=lora_ids.id_for(digest), path=str(path))
