@@ -14,7 +14,6 @@ learn whether its adapter is warm.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Literal
 from gateway.catalog import Route
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
+from gateway.snapshots import SnapshotDir
 from gateway.types import Engine, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ Residency = Literal["gpu", "loaded", "not loaded"]
 
 class AdapterSlots:
     def __init__(
-        self, engine: Engine, metrics: GatewayMetrics, max_loras: int, snapshots: Path | None = None
+        self, engine: Engine, metrics: GatewayMetrics, max_loras: int, snapshots: SnapshotDir | None = None
     ) -> None:
         self.engine = engine
         self.snapshots = snapshots  # adapter copies under it leave with their version
@@ -101,8 +101,8 @@ class AdapterSlots:
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
         path = self.paths.pop(lora_id, None)
-        if path is not None and self.snapshots is not None and path.parent == self.snapshots:
-            shutil.rmtree(path, ignore_errors=True)
+        if path is not None and self.snapshots is not None:
+            self.snapshots.discard(path)
 
     async def refresh(self) -> None:
         self.resident = set(await self.engine.list_loras())

@@ -11,12 +11,9 @@ must target a module the model has, with shapes that fit it (``lora_A`` is ``[r,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,40 +174,6 @@ def adapter_digest(path: Path) -> str:
         h.update(name.encode())
         h.update((path / name).read_bytes())
     return h.hexdigest()
-
-
-def snapshot_adapter(path: Path, snapshots: Path, digest: str | None = None) -> tuple[Path, str]:
-    """A content-addressed copy of the adapter (``snapshots/<digest>``) and its digest.
-
-    The engine loads from the copy, so a LoRA id always means the same bytes: vLLM reads
-    ``lora_path`` again when an evicted adapter is used, and keys its prefix cache by
-    (name, path), so files edited in place must not be read under an old id or name.
-    Unchanged files cost a hash (none if ``digest`` is given); changed ones one copy,
-    renamed into place whole."""
-    digest = digest or adapter_digest(path)
-    target = snapshots / digest
-    if target.is_dir():
-        return target, digest
-    snapshots.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".copy-", dir=snapshots))
-    try:
-        shutil.copytree(path, staging, dirs_exist_ok=True, symlinks=False)
-        digest = adapter_digest(staging)  # the bytes copied, if the files moved meanwhile
-        target = snapshots / digest
-        with contextlib.suppress(OSError):  # another replica or reload made it first
-            staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target, digest
-
-
-def prune_snapshots(snapshots: Path, keep: set[str]) -> None:
-    """Remove snapshot directories whose path is not in ``keep``."""
-    if not snapshots.is_dir():
-        return
-    for child in snapshots.iterdir():
-        if str(child) not in keep and child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
 
 
 def one_line(exc: BaseException) -> str:

@@ -31,9 +31,9 @@ from gateway.adapters_check import (
     check_adapter,
     one_line,
     safe_adapter_path,
-    snapshot_adapter,
 )
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
+from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
 
 log = logging.getLogger(__name__)
@@ -148,11 +148,11 @@ def load_table(
     max_lora_rank: int,
     model_modules: ModelShapes | None,
     lora_ids: LoraIds,
-    snapshots: Path | None = None,
+    snapshots: SnapshotDir | None = None,
 ) -> RoutingTable:
     """Build a table from the catalog file. A broken file raises ``ConfigError``;
     a broken entry is left out and reported in ``table.errors``. With ``snapshots``, the
-    engine is given a content-addressed copy of each adapter (``snapshot_adapter``)."""
+    engine is given a content-addressed copy of each adapter (``gateway.snapshots``)."""
     try:
         text = catalog_path.read_text()
         if not text.strip():  # an editor's save truncates first: never read that as "no routes"
@@ -234,12 +234,12 @@ def _build_route(
     )
 
 
-def _on_snapshot(route: Route, snapshots: Path, lora_ids: LoraIds) -> Route:
+def _on_snapshot(route: Route, snapshots: SnapshotDir, lora_ids: LoraIds) -> Route:
     assert route.lora is not None
     try:
-        path, digest = snapshot_adapter(Path(route.lora.path), snapshots, route.digest)
+        path, digest = snapshots.copy(Path(route.lora.path), route.digest)
     except OSError as exc:
-        raise ConfigError(f"could not copy the adapter to {snapshots}: {one_line(exc)}") from None
+        raise ConfigError(f"could not copy the adapter to {snapshots.path}: {one_line(exc)}") from None
     lora = replace(route.lora, lora_id=lora_ids.id_for(digest), path=str(path))
     return replace(route, lora=lora, digest=digest)
 

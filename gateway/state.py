@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from gateway.adapter_slots import AdapterSlots
-from gateway.adapters_check import ModelShapes, model_shapes, prune_snapshots
+from gateway.adapters_check import ModelShapes, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
@@ -23,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import Admission, Principal
 from gateway.service import ChatService
 from gateway.settings import GatewaySettings
+from gateway.snapshots import SnapshotDir
 from gateway.types import Engine
 from gateway.watcher import CatalogWatcher
 
@@ -40,13 +41,11 @@ class Gateway:
         bound = settings.limits.max_inflight or 4 * settings.engine.max_num_seqs
         self.admission = Admission(bound, settings.limits.retry_after_s)
         self.metrics = GatewayMetrics()
-        self.adapters = AdapterSlots(
-            self.engine, self.metrics, settings.engine.max_loras, settings.cache_dir / "adapters"
-        )
+        self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.max_loras)
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0
         self._model_shapes: ModelShapes | None = None
-        self.snapshots = settings.cache_dir / "adapters"  # what the engine loads from
+        self.snapshots: SnapshotDir | None = None  # the adapter copies the engine loads
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
         self.request_exit: Callable[[], None] = lambda: None
@@ -74,9 +73,8 @@ class Gateway:
         try:
             await self.engine.start()
             self._model_shapes = model_shapes(self.engine.model_path or "")
+            self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
             self.catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
-            live = {r.lora.path for r in self.catalog.table.all_routes() if r.lora is not None}
-            prune_snapshots(self.snapshots, live)  # copies left by an earlier run
             await self.catalog.load_adapters()
             self.metrics.set_routes(route_names(self.catalog.table))
             freeze_startup_heap()

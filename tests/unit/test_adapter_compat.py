@@ -15,6 +15,7 @@ from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.embedded import EMBEDDED_NAME, embedded_model_dir, is_prepared
 from gateway.errors import ConfigError
 from gateway.routes import model_cards
+from gateway.snapshots import SnapshotDir
 
 SHIPPED = Path(__file__).resolve().parents[2] / "adapters"
 MODEL_DIR = embedded_model_dir(Path.home() / ".cache" / "gateway" / "models")
@@ -159,7 +160,7 @@ def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
     """Files edited in place never change what an engine LoRA id (or name and path,
     vLLM's prefix-cache key) stands for: the engine reads a copy named by its digest."""
     original = copy_adapter(tmp_path)
-    snapshots = tmp_path / "cache" / "adapters"
+    snapshots = SnapshotDir(tmp_path / "cache" / "adapters")
     catalog = tmp_path / "adapters.yaml"
     catalog.write_text("routes:\n  - {name: shout, adapter: shout}\n")
 
@@ -177,7 +178,7 @@ def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
     live = Catalog(build)
     first = live.table.routes["shout"]
     assert first.lora is not None and first.digest is not None
-    assert first.lora.path == str(snapshots / first.digest) and first.lora.name == "shout"
+    assert first.lora.path == str(snapshots.path / first.digest) and first.lora.name == "shout"
     assert sorted(p.name for p in Path(first.lora.path).iterdir()) == sorted(
         p.name for p in original.iterdir()
     )
@@ -189,4 +190,4 @@ def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
     assert second.lora is not None and second.lora.path != first.lora.path
     assert (Path(first.lora.path) / "adapter_model.safetensors").read_bytes() != weights  # the old copy
     assert (Path(second.lora.path) / "adapter_model.safetensors").read_bytes() == weights
-    assert {p.name for p in snapshots.iterdir()} == {first.digest, second.digest}  # no staging left
+    assert {p.name for p in snapshots.path.iterdir()} == {first.digest, second.digest, ".lock"}  # no staging

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from gateway.adapter_slots import AdapterSlots
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.metrics import GatewayMetrics, RequestRecord
+from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
 from tests.unit.fakes import FakeEngine
 
@@ -123,8 +124,9 @@ def test_two_versions_of_a_route_never_share_an_engine_name() -> None:
 
 async def test_a_removed_version_takes_its_copy_along(tmp_path: Path) -> None:
     engine = SlotEngine()
-    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, tmp_path)  # type: ignore[arg-type]
-    copy = tmp_path / ("ab" * 32)
+    snapshots = SnapshotDir(tmp_path)
+    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, snapshots)  # type: ignore[arg-type]
+    copy = snapshots.path / ("ab" * 32)
     copy.mkdir()
     route = Route(name="shout", kind="lora", lora=LoraSpec("shout", 7, str(copy)), digest="ab" * 32)
     await s.register(route)
@@ -155,3 +157,13 @@ async def test_a_failed_warm_up_takes_the_weights_back_out() -> None:
     else:
         raise AssertionError("the failure must reach the catalog, which rejects the route")
     assert engine.loras == set() and s.registered == set()
+
+
+def test_gateways_sharing_a_cache_keep_each_others_copies(tmp_path: Path) -> None:
+    first = SnapshotDir(tmp_path)
+    (first.path / "digest").mkdir()
+    second = SnapshotDir(tmp_path)  # another gateway starting: the first is alive
+    assert (first.path / "digest").is_dir() and second.path != first.path
+    first._lock.close()  # the first process is gone (its lock goes with it)
+    SnapshotDir(tmp_path)
+    assert not first.path.exists() and second.path.exists()
