@@ -65,4 +65,4 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         with suppress(BaseException):
             await task
         await gw.engine.shutdown()
-        gw.responses.close()
+        gw.close()

@@ -2,10 +2,12 @@
 
 ``load_table`` reads ``configs/adapters.yaml`` into an immutable ``RoutingTable``; each
 entry is validated at registration (path inside the adapters root, ``adapter_config.json``
-parses, base model, rank, target modules). A bad entry is rejected with a message and
-the rest keep serving. ``Catalog`` holds the live table, swaps it atomically on reload,
-and tracks which LoRA versions are still in use so old weights leave the engine only
-after the requests that started on them have drained.
+parses, rank, tensor shapes against the model: ``adapters_check``). A bad entry is
+rejected with a message and the rest keep serving; a different base model name is a
+warning on the route unless the entry sets ``strict_base_model``. ``Catalog`` holds the
+live table, swaps it atomically on reload, and tracks which LoRA versions are still in
+use so old weights leave the engine only after the requests that started on them have
+drained.
 
 Lookups never touch the filesystem: a name that is not in the table is simply unknown,
 so path-like names (``../x``, ``/etc/passwd``, URLs) cannot reach a file.
@@ -16,15 +18,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.adapters_check import adapter_digest, check_adapter, one_line, safe_adapter_path
+from gateway.adapters_check import (
+    ModelShapes,
+    adapter_digest,
+    check_adapter,
+    one_line,
+    safe_adapter_path,
+)
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
+from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
 
 log = logging.getLogger(__name__)
@@ -56,6 +65,9 @@ class RouteEntry(BaseModel):
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
     tool_parser: ToolParser = "json"
+    strict_base_model: bool = False  # a different base_model_name_or_path rejects, not warns
+    pinned: bool = False  # kept resident in a GPU slot (vLLM pin_lora)
+    preload: bool = False  # warmed with a one-token request at registration
 
 
 class BaseEntry(BaseModel):
@@ -88,6 +100,9 @@ class Route:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     chat_template: str | None = None
     tool_parser: ToolParser = "json"
+    warnings: tuple[str, ...] = ()
+    pinned: bool = False
+    preload: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,11 +152,13 @@ def load_table(
     base_name: str,
     adapters_root: Path,
     max_lora_rank: int,
-    model_modules: set[str] | None,
+    model_modules: ModelShapes | None,
     lora_ids: LoraIds,
+    snapshots: SnapshotDir | None = None,
 ) -> RoutingTable:
     """Build a table from the catalog file. A broken file raises ``ConfigError``;
-    a broken entry is left out and reported in ``table.errors``."""
+    a broken entry is left out and reported in ``table.errors``. With ``snapshots``, the
+    engine is given a content-addressed copy of each adapter (``gateway.snapshots``)."""
     try:
         text = catalog_path.read_text()
         if not text.strip():  # an editor's save truncates first: never read that as "no routes"
@@ -170,6 +187,8 @@ def load_table(
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
             route = _build_route(entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids)
+            if snapshots is not None and route.lora is not None:
+                route = _on_snapshot(route, snapshots, lora_ids)
         except (ConfigError, ValidationError) as exc:
             errors[label] = _one_line(exc)
             log.error("catalog entry %s rejected: %s", label, errors[label])
@@ -184,7 +203,7 @@ def _build_route(
     adapters_root: Path,
     max_lora_rank: int,
     base_name: str,
-    model_modules: set[str] | None,
+    model_modules: ModelShapes | None,
     lora_ids: LoraIds,
 ) -> Route:
     common: dict[str, Any] = dict(
@@ -197,12 +216,40 @@ def _build_route(
         tool_parser=entry.tool_parser,
     )
     if entry.adapter is None:
+        asked = [k for k in ("strict_base_model", "pinned", "preload") if getattr(entry, k)]
+        if asked:
+            raise ConfigError(f"{', '.join(asked)} need an adapter")
         return Route(kind="preset", **common)
     path = safe_adapter_path(entry.adapter, adapters_root)
-    config = check_adapter(path, max_lora_rank, base_name, model_modules)
+    info = check_adapter(
+        path, max_lora_rank, base_name, model_modules, strict_base_model=entry.strict_base_model
+    )
+    for warning in info.warnings:
+        log.warning("catalog entry %s: %s", entry.name, warning)
     digest = adapter_digest(path)
-    lora = LoraSpec(name=f"{entry.name}@{digest[:12]}", lora_id=lora_ids.id_for(digest), path=str(path))
-    return Route(kind="lora", lora=lora, digest=digest, rank=int(config["r"]), **common)
+    # The engine's LoRA name is the route name: vLLM reports running and waiting adapters
+    # by it (``vllm:lora_requests_info``) and LoRA-affinity routers match it to ``model``.
+    lora = LoraSpec(name=entry.name, lora_id=lora_ids.id_for(digest), path=str(path))
+    return Route(
+        kind="lora",
+        lora=lora,
+        digest=digest,
+        rank=info.rank,
+        warnings=info.warnings,
+        pinned=entry.pinned,
+        preload=entry.preload,
+        **common,
+    )
+
+
+def _on_snapshot(route: Route, snapshots: SnapshotDir, lora_ids: LoraIds) -> Route:
+    assert route.lora is not None
+    try:
+        path, digest = snapshots.copy(Path(route.lora.path), route.digest)
+    except OSError as exc:
+        raise ConfigError(f"could not copy the adapter to {snapshots.path}: {one_line(exc)}") from None
+    lora = replace(route.lora, lora_id=lora_ids.id_for(digest), path=str(path))
+    return replace(route, lora=lora, digest=digest)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -249,7 +296,7 @@ class Catalog:
         self,
         build: Callable[[LoraIds], RoutingTable],
         remove_lora: Callable[[int], Awaitable[None]] | None = None,
-        add_lora: Callable[[LoraSpec], Awaitable[None]] | None = None,
+        add_lora: Callable[[Route], Awaitable[None]] | None = None,
     ) -> None:
         self._build = build
         self._remove_lora = remove_lora
@@ -259,6 +306,7 @@ class Catalog:
         self.last_error: str | None = None
         self.reloads = 0
         self._in_use: dict[int, int] = {}
+        self._versions_in_use: dict[tuple[str, int], int] = {}  # (route, lora id) -> requests
         self._retired: set[int] = set()
         self._pending_removal: list[int] = []
 
@@ -269,13 +317,32 @@ class Catalog:
         if allowed is not None and not allowed(route.name):
             raise ModelNotFound(model or task or route.name, param="model" if model else "task")
         if route.lora is not None:
-            self._in_use[route.lora.lora_id] = self._in_use.get(route.lora.lora_id, 0) + 1
+            lora_id = route.lora.lora_id
+            route = self._unique_engine_name(route, lora_id)
+            key = (route.name, lora_id)
+            self._in_use[lora_id] = self._in_use.get(lora_id, 0) + 1
+            self._versions_in_use[key] = self._versions_in_use.get(key, 0) + 1
         return Lease(route, self)
+
+    def _unique_engine_name(self, route: Route, lora_id: int) -> Route:
+        """vLLM tells LoRA requests apart by name within a batch (``LoRARequest.__eq__``),
+        so two versions of one route must not run under the same name: while an older
+        version still drains, the new one runs as ``name@digest``."""
+        if route.lora is None or route.digest is None:
+            return route
+        if any(n == route.name and i != lora_id for n, i in self._versions_in_use):
+            return replace(route, lora=replace(route.lora, name=f"{route.name}@{route.digest[:12]}"))
+        return route
 
     def _release(self, route: Route) -> None:
         if route.lora is None:
             return
         lora_id = route.lora.lora_id
+        key = (route.name, lora_id)
+        if self._versions_in_use.get(key, 0) > 1:
+            self._versions_in_use[key] -= 1
+        else:
+            self._versions_in_use.pop(key, None)
         count = self._in_use.get(lora_id, 0) - 1
         if count > 0:
             self._in_use[lora_id] = count
@@ -301,6 +368,8 @@ class Catalog:
                 else:
                     self._pending_removal.append(route.lora.lora_id)
         self._retired.difference_update(live)
+        # A version that comes back (files restored) before it left the engine stays.
+        self._pending_removal = [i for i in self._pending_removal if i not in live]
         self.table = table
         self.last_error = "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
         self.reloads += 1
@@ -320,7 +389,7 @@ class Catalog:
             if route.lora is None:
                 continue
             try:
-                await self._add_lora(route.lora)
+                await self._add_lora(route)
             except GatewayError as exc:
                 failed[route.name] = f"the engine could not load the adapter: {exc.message}"
                 log.error("adapter %s rejected: %s", route.name, failed[route.name])

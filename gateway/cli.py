@@ -35,6 +35,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
     ("--max-loras", "engine.max_loras", int, "LoRA adapters resident on the GPU at once"),
     ("--max-lora-rank", "engine.max_lora_rank", int, "largest adapter rank accepted"),
+    ("--max-cpu-loras", "engine.max_cpu_loras", int, "LoRA adapters kept in the engine's CPU cache"),
     ("--load-format", "engine.load_format", str, "vLLM load format (e.g. dummy)"),
     ("--catalog", "catalog", str, "adapter catalog YAML"),
     ("--adapters-root", "adapters_root", str, "folder adapters must live in"),
@@ -158,7 +159,7 @@ def _serve(settings: GatewaySettings) -> int:
 
 
 def _adapters(settings: GatewaySettings, command: str) -> int:
-    from gateway.adapters_check import model_module_names
+    from gateway.adapters_check import model_shapes
     from gateway.catalog import LoraIds, load_table
 
     model = settings.engine.model
@@ -167,10 +168,10 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
 
         base_name = settings.engine.served_model_name or EMBEDDED_NAME
         model_dir = embedded_model_dir(settings.cache_dir / "models")
-        modules = model_module_names(model_dir) if is_prepared(model_dir) else None
+        modules = model_shapes(model_dir) if is_prepared(model_dir) else None
     else:
         base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
-        modules = model_module_names(model)
+        modules = model_shapes(model)
     table = load_table(
         settings.catalog,
         base_name=base_name,
@@ -188,6 +189,9 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         names = ",".join(route.aliases) or "-"
         tasks = ",".join(route.tasks) or "-"
         print(f"{route.name:<20} {route.kind:<7} aliases={names} tasks={tasks} {detail}".rstrip())
+    for route in table.routes.values():
+        for warning in route.warnings:
+            print(f"WARNING {route.name}: {warning}", file=sys.stderr)
     for name, error in table.errors.items():
         print(f"REJECTED {name}: {error}", file=sys.stderr)
     if command == "validate":

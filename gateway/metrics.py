@@ -33,6 +33,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token_at: float | None = None
+    adapter_state: str | None = None  # "cold" / "warm" for a LoRA route (AdapterSlots.start_state)
     disconnected: bool = False
     prompt: Any = None
     generation: Any = None  # service.Generation, once the request reached the engine
@@ -121,6 +122,23 @@ class GatewayMetrics:
         self.reloads = Counter(
             "gateway_adapter_reloads", "Catalog reloads by result", ["result"], registry=registry
         )
+        self.adapter_loads = Counter(
+            "gateway_adapter_loads", "Adapter loads into the engine by route", ["route"], registry=registry
+        )
+        self.adapter_load_seconds = Histogram(
+            "gateway_adapter_load_seconds",
+            "Time to load an adapter into the engine",
+            ["route"],
+            buckets=_LATENCY,
+            registry=registry,
+        )
+        self.adapter_ttft = Histogram(
+            "gateway_adapter_time_to_first_token_seconds",
+            "Time to first token on LoRA routes, by whether the adapter was loaded (warm) or not (cold)",
+            ["route", "adapter_state"],
+            buckets=_LATENCY,
+            registry=registry,
+        )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
         self._routes: frozenset[str] = frozenset()
 
@@ -140,6 +158,10 @@ class GatewayMetrics:
             self.completion_tokens.labels(route).inc(record.completion_tokens)
         if record.first_token_at is not None:
             self.ttft.labels(route).observe(record.first_token_at - record.started)
+            if record.adapter_state in ("cold", "warm"):
+                self.adapter_ttft.labels(route, record.adapter_state).observe(
+                    record.first_token_at - record.started
+                )
         if record.status == 200:
             self.e2e.labels(route).observe(time.monotonic() - record.started)
 

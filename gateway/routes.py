@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from gateway.catalog import Catalog, Lease
+from gateway.adapter_slots import AdapterSlots
+from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import InvalidRequest, ModelNotFound, NotFound
 from gateway.metrics import RequestRecord
 from gateway.middleware import Principal
@@ -186,6 +187,7 @@ def _track(
     record: RequestRecord | None = request.scope.get("state", {}).get("record")
     if record is not None:
         record.attach(gen, stream)
+        record.adapter_state = gw.adapters.start_state(gen.route)
         if gw.settings.server.log_prompts:
             record.prompt = prompt()
     gen.on_gap = gw.metrics.itl.labels(gw.metrics.route_label(gen.route.name)).observe
@@ -213,7 +215,7 @@ async def _whole(
 
 
 # -- models ---------------------------------------------------------------------------------
-def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
+def model_cards(catalog: Catalog, created: int, slots: AdapterSlots | None = None) -> list[dict[str, Any]]:
     table = catalog.table
     cards = []
     for route in table.all_routes():
@@ -225,6 +227,7 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
             "status": "ready",
             "aliases": list(route.aliases),
             "tasks": list(route.tasks),
+            **(adapter_fields(route, slots) if route.lora is not None else {}),
         }
         cards.append(model_card(route.name, "gateway", created, parent, **extra))
         for alias in route.aliases:
@@ -233,10 +236,21 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
     return cards
 
 
+def adapter_fields(route: Route, slots: AdapterSlots | None) -> dict[str, Any]:
+    """Residency: "gpu" (pinned), "loaded" (held by the engine, GPU slot or CPU cache:
+    vLLM does not say which) or "not loaded"; and registration warnings."""
+    return {
+        "residency": slots.residency(route) if slots is not None else None,
+        "pinned": route.pinned,
+        "preload": route.preload,
+        "warnings": list(route.warnings),
+    }
+
+
 def _visible_cards(request: Request) -> list[dict[str, Any]]:
     gw = _gateway(request)
     principal = _principal(request)
-    cards = model_cards(gw.catalog_or_503(), int(gw.started))
+    cards = model_cards(gw.catalog_or_503(), int(gw.started), gw.adapters)
     if principal is None:
         return cards
     return [c for c in cards if principal.may_use(c.get("alias_of") or c["id"])]
@@ -283,14 +297,15 @@ async def ready(request: Request) -> Response:
 async def admin_adapters(request: Request) -> Response:
     gw = _gateway(request)
     catalog = gw.catalog_or_503()
+    await gw.adapters.refresh()
     return JSONResponse(
         {
-            "routes": model_cards(catalog, int(gw.started)),
+            "routes": model_cards(catalog, int(gw.started), gw.adapters),
             "rejected": catalog.table.errors,
             "last_error": catalog.last_error,
             "reloads": catalog.reloads,
             "loaded_at": catalog.table.loaded_at,
-            "engine_loras": sorted(await gw.engine.list_loras()),
+            "engine_loras": sorted(gw.adapters.resident),
             "live_loras": sorted(r.lora.lora_id for r in catalog.table.all_routes() if r.lora),
             "in_use": {str(k): v for k, v in catalog.in_use().items()},
         }

@@ -154,8 +154,15 @@ class GatewaySettings(BaseSettings):
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     catalog: Path = Field(PROJECT_ROOT / "configs" / "adapters.yaml", description="adapter catalog")
     adapters_root: Path = Field(PROJECT_ROOT / "adapters", description="adapter files must live here")
-    catalog_poll_s: float = Field(0.5, gt=0, description="how often adapter files are checked")
-    cache_dir: Path = Field(Path.home() / ".cache" / "gateway", description="prepared models")
+    catalog_poll_s: float = Field(
+        0.5,
+        gt=0,
+        description="how often drained adapter versions are removed from the engine (file changes "
+        "are seen through the kernel's notifications, not by polling)",
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "gateway", description="prepared models, adapter copies the engine loads"
+    )
 
     @field_validator("catalog", "adapters_root", "cache_dir")
     @classmethod

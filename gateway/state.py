@@ -8,12 +8,14 @@ adapters), the catalog watcher, and the engine supervisor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
 from collections.abc import Callable
 
-from gateway.adapters_check import model_module_names
+from gateway.adapter_slots import AdapterSlots
+from gateway.adapters_check import ModelShapes, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
@@ -21,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import Admission, Principal
 from gateway.service import ChatService
 from gateway.settings import GatewaySettings
+from gateway.snapshots import SnapshotDir
 from gateway.store import ResponseStore
 from gateway.types import Engine
 from gateway.watcher import CatalogWatcher
@@ -42,9 +45,11 @@ class Gateway:
         self.responses = ResponseStore(
             settings.responses.resolved_path(settings.cache_dir), settings.responses.ttl_s
         )
+        self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.max_loras)
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0
-        self._model_modules: set[str] | None = None
+        self._model_shapes: ModelShapes | None = None
+        self.snapshots: SnapshotDir | None = None  # the adapter copies the engine loads
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
         self.request_exit: Callable[[], None] = lambda: None
@@ -60,18 +65,20 @@ class Gateway:
         assert self.catalog is not None
         watcher = CatalogWatcher(
             self.settings.catalog,
+            self.settings.adapters_root,
             self.catalog,
             self.reload_catalog,
             self.settings.catalog_poll_s,
             self.reload_now,
         )
-        await asyncio.gather(watcher.run(), self.watch_engine())
+        await asyncio.gather(watcher.run(), self.watch_engine(), self.watch_residency())
 
     async def start(self) -> None:
         try:
             await self.engine.start()
-            self._model_modules = model_module_names(self.engine.model_path or "")
-            self.catalog = Catalog(self.build_table, self.engine.remove_lora, self.engine.add_lora)
+            self._model_shapes = model_shapes(self.engine.model_path or "")
+            self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
+            self.catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
             await self.catalog.load_adapters()
             self.metrics.set_routes(route_names(self.catalog.table))
             freeze_startup_heap()
@@ -87,8 +94,9 @@ class Gateway:
             base_name=self.engine.served_model_name,
             adapters_root=s.adapters_root,
             max_lora_rank=s.engine.max_lora_rank,
-            model_modules=self._model_modules,
+            model_modules=self._model_shapes,
             lora_ids=ids,
+            snapshots=self.snapshots,
         )
 
     async def reload_catalog(self) -> bool:
@@ -100,6 +108,12 @@ class Gateway:
             self.metrics.set_routes(route_names(catalog.table))
         return ok
 
+    def close(self) -> None:
+        """What outlives the engine: the response store and the adapter copies."""
+        self.responses.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
+
     async def watch_engine(self, interval: float = 0.5) -> None:
         """Engine death ends the process (non-zero), after open streams got their error event."""
         while not self.engine.errored:
@@ -109,6 +123,15 @@ class Gateway:
         self.admission.draining = True
         await asyncio.sleep(2.0)  # let open streams send their error event; /health says 503
         self.request_exit()
+
+    async def watch_residency(self, interval: float = 5.0) -> None:
+        """The engine evicts adapters on its own (LRU, ``max_cpu_loras``): re-read which
+        it holds now and then, for residency in ``/v1/models`` and cold/warm TTFT."""
+        while True:
+            await asyncio.sleep(interval)
+            if self.engine.ready:
+                with contextlib.suppress(GatewayError):
+                    await self.adapters.refresh()
 
     # -- per request ------------------------------------------------------------------
     @property

@@ -1,85 +1,95 @@
-"""Hot swap: reload the catalog when its file or an adapter's files change, or on demand.
+"""Hot swap: reload the catalog when its file or any adapter's files change, or on demand.
 
-``CatalogWatcher.run()`` polls a cheap signature (stat of the catalog file and of every
-file in each live adapter's directory). A change, or ``reload_now`` (SIGHUP), waits
-until the files stop changing (a save or a copy in progress), then calls ``reload``,
-which builds a new table, loads its adapters and swaps it in (``Gateway.reload_catalog``).
-After each round, LoRA versions that left the table and have drained leave the engine.
+``CatalogWatcher.run()`` listens to the kernel's file notifications (``watchfiles``) on
+the catalog file and, recursively, the adapters root. watchfiles groups a burst of events
+(a save or a copy in progress) until the files are quiet for ``step`` ms, so a reload
+reads whole files. A change under the adapters root reloads the whole catalog: entries
+that were rejected (a broken ``adapter_config.json``, a directory not there yet) are
+validated again and go live once their files are right, with no SIGHUP.
+
+A change, ``reload_now`` (SIGHUP) or ``POST /admin/adapters/reload`` all set one event; a
+change seen while a reload runs sets it again, so it is read by the next round, never
+lost. Between rounds, every ``interval`` seconds, LoRA versions that left the table and
+have drained leave the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import TypeVar
+
+from watchfiles import Change, awatch
 
 from gateway.catalog import Catalog
 
-T = TypeVar("T")
-# (path, mtime_ns, size); None, None for a file that is missing
-FileStat = tuple[str, int | None, int | None]
-Signature = tuple[FileStat, ...]
+log = logging.getLogger(__name__)
+
+QUIET_MS = 100  # a burst of events ends after this much quiet
+MAX_WAIT_MS = 1_600  # ... or after this long, even if the files keep changing
 
 
 class CatalogWatcher:
     def __init__(
         self,
         catalog_path: Path,
+        adapters_root: Path,
         catalog: Catalog,
         reload: Callable[[], Awaitable[bool]],
         interval: float,
         reload_now: asyncio.Event,
     ) -> None:
-        self.catalog_path = catalog_path
+        self.catalog_path = catalog_path.absolute()
+        self.adapters_root = adapters_root.resolve()
         self.catalog = catalog
         self.reload = reload
         self.interval = interval
         self.reload_now = reload_now
+        self.watching = asyncio.Event()  # set once the notifications are set up (for tests)
 
-    def signature(self) -> Signature:
-        """Cheap change detector: stat of the catalog file and of every adapter file."""
-        paths = [self.catalog_path]
-        for route in self.catalog.table.routes.values():
-            if route.lora is not None:
-                paths += sorted(Path(route.lora.path).iterdir())
-        sig: list[FileStat] = []
-        for path in paths:
-            try:
-                st = path.stat()
-                sig.append((str(path), st.st_mtime_ns, st.st_size))
-            except OSError:
-                sig.append((str(path), None, None))
-        return tuple(sig)
+    def relevant(self, change: Change, path: str) -> bool:
+        """The catalog file (or, for a Kubernetes ConfigMap mount, its ``..data`` link
+        swap) and anything under the adapters root; not editors' files next to the catalog."""
+        p = Path(path)
+        if p.is_relative_to(self.adapters_root):
+            return True
+        return p.parent == self.catalog_path.parent and (
+            p.name == self.catalog_path.name or p.name.startswith("..")
+        )
 
     async def run(self) -> None:
-        last = self.signature()
-        while True:
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.reload_now.wait(), timeout=self.interval)
-            asked = self.reload_now.is_set()  # SIGHUP reloads even when no file changed
-            self.reload_now.clear()
-            current = self.signature()
-            if asked or current != last:
-                current = await settled(self.signature, current, quiet=min(0.1, self.interval))
-                await self.reload()
-                # Files the reload read keep the stat seen before it: one changed while the
-                # reload ran (it awaits the engine) differs at the next poll, not never.
-                before = {path: (mtime, size) for path, mtime, size in current}
-                last = tuple((p, *before.get(p, (m, s))) for p, m, s in self.signature())
-            await self.catalog.remove_drained()
+        watch = asyncio.create_task(self.watch_files())
+        try:
+            while True:
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.reload_now.wait(), timeout=self.interval)
+                if self.reload_now.is_set():
+                    # Cleared before the reload reads the files: a change from here on
+                    # sets it again and gets its own round.
+                    self.reload_now.clear()
+                    await self.reload()
+                await self.catalog.remove_drained()
+        finally:
+            watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await watch
 
-
-async def settled(signature: Callable[[], T], seen: T, *, quiet: float, max_wait: float = 2.0) -> T:
-    """Wait until ``signature()`` stays the same for ``quiet`` seconds (a save or a copy in
-    progress), at most ``max_wait``: a reload should read whole files, not half of an edit."""
-    deadline = time.monotonic() + max_wait
-    while time.monotonic() < deadline:
-        await asyncio.sleep(quiet)
-        now = signature()
-        if now == seen:
-            break
-        seen = now
-    return seen
+    async def watch_files(self) -> None:
+        paths = [p for p in (self.catalog_path.parent, self.adapters_root) if p.is_dir()]
+        if self.adapters_root not in paths:
+            log.warning("adapters root %s does not exist: adapter files are not watched", self.adapters_root)
+        # watchfiles logs "N changes detected" at INFO; the line below names the files.
+        logging.getLogger("watchfiles.main").setLevel(logging.WARNING)
+        self.watching.set()
+        async for changes in awatch(
+            *paths,
+            watch_filter=self.relevant,
+            step=QUIET_MS,
+            debounce=MAX_WAIT_MS,
+            rust_timeout=1_000,  # how soon a cancelled watch ends
+            recursive=True,
+        ):
+            log.info("catalog files changed: %s", ", ".join(sorted({p for _, p in changes})[:5]))
+            self.reload_now.set()

@@ -24,6 +24,12 @@ def admin(gw: LiveGateway) -> dict[str, object]:
     return gw.admin().get("/admin/adapters").json()  # type: ignore[no-any-return]
 
 
+def reloads_settled(gw: LiveGateway, quiet: float = 0.5) -> bool:
+    before = admin(gw)["reloads"]
+    time.sleep(quiet)
+    return admin(gw)["reloads"] == before
+
+
 Outcome = tuple[str, int, str, float, float]  # route, status (-1: broken stream), tail, start, end
 
 
@@ -119,10 +125,11 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         )
     assert {"shout", "json", "hot"} <= {r[0] for r in results}
 
-    # 5. Drained: the engine holds exactly the live versions, no leftover ids.
+    # 5. Drained: the engine holds only live versions, no leftover ids (a live one may have
+    #    left the engine's LRU cache: it is loaded again on demand).
     def no_leftovers() -> bool:
         state = admin(gateway)
-        return set(state["engine_loras"]) == set(state["live_loras"]) and not state["in_use"]  # type: ignore[arg-type]
+        return set(state["engine_loras"]) <= set(state["live_loras"]) and not state["in_use"]  # type: ignore[arg-type]
 
     await eventually_async(
         no_leftovers, 10, "the engine holds only the live adapters", lambda: str(admin(gateway))
@@ -152,6 +159,8 @@ def test_a_bad_entry_is_rejected_and_the_rest_serve(gateway: LiveGateway, entry:
 
 
 async def test_sighup_reloads_even_without_a_file_change(gateway: LiveGateway) -> None:
+    # Earlier tests' catalog edits each bring a watcher reload; count from after they landed.
+    await eventually_async(lambda: reloads_settled(gateway), 10, "no reload in flight")
     before = admin(gateway)["reloads"]
     gateway.process.send_signal(signal.SIGHUP)
     await eventually_async(

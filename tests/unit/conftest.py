@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy
 import pytest
 import pytest_asyncio
+from safetensors.numpy import save_file
 from starlette.applications import Starlette
 
 from gateway.app import create_app
@@ -70,7 +72,14 @@ def make_adapter(root: Path, name: str) -> None:
         "base_model_name_or_path": BASE,
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
-    (path / "adapter_model.safetensors").write_bytes(b"weights-" + name.encode())
+    # Real safetensors headers (registration reads them), rank 8; the fake model has no
+    # weight files, so no shape is checked against it.
+    prefix = "base_model.model.model.layers.0.self_attn"
+    tensors = {}
+    for module in ("q_proj", "v_proj"):
+        tensors[f"{prefix}.{module}.lora_A.weight"] = numpy.zeros((8, 16), dtype=numpy.float32)
+        tensors[f"{prefix}.{module}.lora_B.weight"] = numpy.zeros((16, 8), dtype=numpy.float32)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"name": name})
 
 
 @pytest.fixture
@@ -88,7 +97,9 @@ def make_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[.
     def make(**overrides: Any) -> GatewaySettings:
         dotted = {key.replace("__", "."): value for key, value in overrides.items()}
         base = {"config": str(tmp_path / "gateway.yaml"), "catalog": str(tmp_path / "adapters.yaml")}
-        return load_settings({**base, "adapters_root": str(root), **dotted})
+        # cache_dir: the adapter copies and the response store stay in the test's folder
+        base |= {"adapters_root": str(root), "cache_dir": str(tmp_path / "cache")}
+        return load_settings({**base, **dotted})
 
     return make
 

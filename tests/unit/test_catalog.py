@@ -6,13 +6,33 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
-from gateway.adapters_check import safe_adapter_path
+from gateway.adapters_check import ModelShapes, safe_adapter_path
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
 
-MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
+_SHAPES = {"q_proj": (32, 16), "k_proj": (8, 16), "v_proj": (8, 16), "o_proj": (16, 32)}
+_SHAPES |= {"gate_proj": (48, 16), "up_proj": (48, 16), "down_proj": (16, 48)}
+MODULES = ModelShapes(  # a small model of 2 layers
+    {f"layers.{i}.self_attn.{n}": s for i in range(2) for n, s in _SHAPES.items()}
+    | {"embed_tokens": (100, 16)}
+)
+
+
+def lora_tensors(rank: int, targets: list[str], seed: str) -> dict[str, np.ndarray]:
+    """PEFT-named lora_A [r, in] / lora_B [out, r] tensors that fit MODULES."""
+    fill = float(sum(seed.encode()))
+    tensors = {}
+    for i in range(2):
+        for t in targets:
+            out_f, in_f = _SHAPES.get(t, (4, 4))
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = np.full((rank, in_f), fill, dtype=np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = np.zeros((out_f, rank), dtype=np.float32)
+    return tensors
 
 
 def make_adapter(
@@ -27,7 +47,7 @@ def make_adapter(
         "base_model_name_or_path": base,
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
-    (path / "adapter_model.safetensors").write_bytes(b"weights-" + name.encode())
+    save_file(lora_tensors(rank, config["target_modules"], name), str(path / "adapter_model.safetensors"))
     return path
 
 
@@ -130,7 +150,7 @@ def test_defaults_are_carried(tmp_path: Path, root: Path) -> None:
         ("missing", "not found"),
         ("escape", "escapes the adapters root"),
         ("bigrank", "rank 64 is above"),
-        ("otherbase", "trained for base model"),
+        ("otherbase", "trained for base model"),  # with strict_base_model: true
         ("badtargets", "target modules not in the model: lm_head_x"),
         ("badjson", "adapter_config.json is invalid"),
         ("noweights", "missing adapter_model.safetensors"),
@@ -146,7 +166,7 @@ def test_bad_entries_are_rejected_and_the_rest_serve(
     make_adapter(root, "badtargets", targets=["q_proj", "lm_head_x"])
     (make_adapter(root, "badjson") / "adapter_config.json").write_text("{not json")
     (make_adapter(root, "noweights") / "adapter_model.safetensors").unlink()
-    text = CATALOG + f"  - name: broken\n    adapter: {adapter}\n"
+    text = CATALOG + f"  - name: broken\n    adapter: {adapter}\n    strict_base_model: true\n"
     table = table_for(tmp_path, root, text)
     assert "broken" in table.errors
     assert reason in table.errors["broken"]
@@ -214,10 +234,10 @@ async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, roo
     json_before = catalog.table.resolve("json").lora
     assert old is not None
     lease = catalog.acquire("shout")
-    (root / "shout" / "adapter_model.safetensors").write_bytes(b"new weights")
+    save_file(lora_tensors(8, ["q_proj", "v_proj"], "new"), str(root / "shout" / "adapter_model.safetensors"))
     assert catalog.reload()
     new = catalog.table.resolve("shout").lora
-    assert new is not None and new.lora_id != old.lora_id and new.name != old.name
+    assert new is not None and new.lora_id != old.lora_id and new.name == old.name == "shout"
     assert catalog.table.resolve("json").lora == json_before  # untouched adapter keeps its id
     assert await catalog.remove_drained() == []  # still running on the old version
     assert lease.route.lora == old  # the running request keeps its version
@@ -268,16 +288,3 @@ async def test_a_truncated_catalog_keeps_the_last_good_table(tmp_path: Path, roo
     assert catalog.table.resolve("loud").name == "shout"
     path.write_text(CATALOG)
     assert catalog.reload() and catalog.last_error is None
-
-
-async def test_the_watcher_waits_for_files_to_settle() -> None:
-    """A change seen mid-save is read only once the files stop changing (or after max_wait)."""
-    from gateway.watcher import settled
-
-    states = iter(["half", "whole", "whole", "whole"])
-    assert await settled(lambda: next(states), "empty", quiet=0.001) == "whole"
-    assert next(states) == "whole"  # stopped at the first unchanged look: one call left over
-
-    ticks = iter(range(10**6))  # never settles: give up after max_wait with the newest
-    last = await settled(lambda: next(ticks), -1, quiet=0.01, max_wait=0.05)
-    assert last == next(ticks) - 1  # returned, with the newest signature it read

@@ -1,0 +1,125 @@
+"""The engine's LoRA slots as the gateway sees them: registration and residency.
+
+``AdapterSlots.register`` is what the catalog calls for each LoRA route at start and
+after each reload: load the weights into the engine (timed, counted per route), pin them
+to a GPU slot when the entry says ``pinned``, and warm them with a one-token request when
+it says ``preload``, so the first user request does not pay for the load.
+
+Residency comes from the engine's ``list_loras()`` (the adapters it holds, in a GPU slot
+or its CPU cache; vLLM does not say which), kept in a set that is refreshed after each
+add and remove and every few seconds, so a request never waits on an engine round trip to
+learn whether its adapter is warm.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+from gateway.catalog import Route
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.snapshots import SnapshotDir
+from gateway.types import Engine, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+Residency = Literal["gpu", "loaded", "not loaded"]
+
+
+class AdapterSlots:
+    def __init__(
+        self, engine: Engine, metrics: GatewayMetrics, max_loras: int, snapshots: SnapshotDir | None = None
+    ) -> None:
+        self.engine = engine
+        self.snapshots = snapshots  # adapter copies under it leave with their version
+        self.metrics = metrics
+        self.max_loras = max_loras
+        self.registered: set[int] = set()  # ids added by us and not removed since
+        self.pinned: set[int] = set()
+        self.resident: set[int] = set()  # the engine's list_loras(), as last seen
+        self.paths: dict[int, Path] = {}
+
+    async def register(self, route: Route) -> None:
+        """Add, pin and warm one route's adapter; an id already registered is not loaded
+        again. Raises the engine's ``GatewayError`` if it refuses the adapter."""
+        lora = route.lora
+        assert lora is not None
+        fresh = lora.lora_id not in self.registered
+        if fresh:
+            t0 = time.perf_counter()
+            await self.engine.add_lora(lora)
+            self.metrics.adapter_load_seconds.labels(route.name).observe(time.perf_counter() - t0)
+            self.metrics.adapter_loads.labels(route.name).inc()
+            self.registered.add(lora.lora_id)
+            self.resident.add(lora.lora_id)
+            self.paths[lora.lora_id] = Path(lora.path)
+        try:
+            if route.preload and fresh:
+                await self._preload(route)
+            if route.pinned and lora.lora_id not in self.pinned:
+                await self._pin(route)
+        except GatewayError:
+            if fresh:  # the route is rejected: its weights must not stay behind
+                await self.remove(lora.lora_id)
+            raise
+
+    async def _pin(self, route: Route) -> None:
+        assert route.lora is not None
+        # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
+        if len(self.pinned) + 1 >= self.max_loras:
+            log.error(
+                "adapter %s not pinned: %d of engine.max_loras=%d slots are pinned and one must stay free",
+                route.name,
+                len(self.pinned),
+                self.max_loras,
+            )
+            return
+        await self.engine.pin_lora(route.lora.lora_id)
+        self.pinned.add(route.lora.lora_id)
+        log.info("adapter %s pinned to a GPU slot", route.name)
+
+    async def _preload(self, route: Route) -> None:
+        """One token on the adapter: its weights and kernels are warm before a user asks.
+        The warm-up runs under ``name@digest``, never the route name, so it never shares
+        a name with a draining older version in one batch."""
+        assert route.lora is not None and route.digest is not None
+        lora = replace(route.lora, name=f"{route.name}@{route.digest[:12]}")
+        params = self.engine.prepare(SamplingSpec(max_tokens=1, temperature=0.0))
+        prompt = self.engine.tokenizer.encode("Hello")
+        t0 = time.perf_counter()
+        async for _ in self.engine.generate(prompt, params, f"preload-{route.name}-{lora.lora_id}", lora):
+            pass
+        log.info("adapter %s preloaded (%.0f ms)", route.name, (time.perf_counter() - t0) * 1000)
+
+    async def remove(self, lora_id: int) -> None:
+        await self.engine.remove_lora(lora_id)
+        self.registered.discard(lora_id)
+        self.pinned.discard(lora_id)
+        self.resident.discard(lora_id)
+        path = self.paths.pop(lora_id, None)
+        if path is not None and self.snapshots is not None:
+            self.snapshots.discard(path)
+
+    async def refresh(self) -> None:
+        self.resident = set(await self.engine.list_loras())
+
+    def residency(self, route: Route) -> Residency | None:
+        if route.lora is None:
+            return None
+        if route.lora.lora_id in self.pinned:
+            return "gpu"
+        return "loaded" if route.lora.lora_id in self.resident else "not loaded"
+
+    def start_state(self, route: Route) -> Literal["cold", "warm"] | None:
+        """Whether a request on ``route`` finds its adapter in the engine (warm) or makes the
+        engine load it (cold); after a cold start the adapter counts as loaded."""
+        if route.lora is None:
+            return None
+        if route.lora.lora_id in self.resident:
+            return "warm"
+        self.resident.add(route.lora.lora_id)
+        return "cold"

@@ -1,0 +1,172 @@
+"""Many adapters: registration (load, pin, preload), residency, engine names in a swap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from gateway.adapter_slots import AdapterSlots
+from gateway.catalog import Catalog, Route, RoutingTable
+from gateway.metrics import GatewayMetrics, RequestRecord
+from gateway.snapshots import SnapshotDir
+from gateway.types import LoraSpec
+from tests.unit.fakes import FakeEngine
+
+
+class SlotEngine(FakeEngine):
+    """The fake engine plus LoRA slots, recording what the gateway asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(words=["x"])
+        self.loras: set[int] = set()
+        self.added: list[LoraSpec] = []
+        self.pinned: list[int] = []
+
+    async def add_lora(self, lora: LoraSpec) -> None:
+        self.added.append(lora)
+        self.loras.add(lora.lora_id)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        self.loras.discard(lora_id)
+
+    async def pin_lora(self, lora_id: int) -> None:
+        self.pinned.append(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+
+def lora_route(name: str, lora_id: int, **kw: Any) -> Route:
+    digest = f"{lora_id:02d}" * 32
+    return Route(name=name, kind="lora", lora=LoraSpec(name, lora_id, f"/a/{name}"), digest=digest, **kw)
+
+
+def slots(max_loras: int = 4) -> tuple[AdapterSlots, SlotEngine, GatewayMetrics]:
+    engine = SlotEngine()
+    metrics = GatewayMetrics(CollectorRegistry())
+    return AdapterSlots(engine, metrics, max_loras), engine, metrics  # type: ignore[arg-type]
+
+
+def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+async def test_register_loads_once_and_counts_the_load() -> None:
+    s, engine, metrics = slots()
+    route = lora_route("shout", 1)
+    await s.register(route)
+    await s.register(route)  # a reload with unchanged files: no second load
+    assert [lora.lora_id for lora in engine.added] == [1]
+    assert sample(metrics, "gateway_adapter_loads_total", route="shout") == 1
+    assert sample(metrics, "gateway_adapter_load_seconds_count", route="shout") == 1
+    assert s.residency(route) == "loaded" and engine.calls == [] and engine.pinned == []
+
+
+async def test_preload_warms_with_one_token_under_a_versioned_name() -> None:
+    s, engine, _ = slots()
+    await s.register(lora_route("json", 3, preload=True))
+    (prompt, spec, request_id, lora) = engine.calls[0]
+    assert spec.max_tokens == 1 and prompt and request_id == "preload-json-3"
+    assert lora is not None and lora.lora_id == 3 and lora.name == "json@" + "03" * 6
+
+
+async def test_pinned_adapters_are_pinned_but_one_slot_stays_free() -> None:
+    s, engine, _ = slots(max_loras=3)
+    routes = [lora_route(f"r{i}", i, pinned=True) for i in (1, 2, 3)]
+    for route in routes:
+        await s.register(route)
+    assert engine.pinned == [1, 2]  # the third would leave no slot for unpinned adapters
+    assert [s.residency(r) for r in routes] == ["gpu", "gpu", "loaded"]
+    await s.remove(1)
+    assert s.residency(routes[0]) == "not loaded"
+    await s.register(routes[2])  # a reload: now there is room
+    assert engine.pinned == [1, 2, 3]
+
+
+async def test_cold_then_warm_and_evictions_seen_on_refresh() -> None:
+    s, engine, metrics = slots()
+    route = lora_route("shout", 1)
+    assert s.start_state(route) == "cold"  # not registered: the engine loads it on demand
+    assert s.start_state(route) == "warm"
+    engine.loras.clear()  # the engine evicted it (its LRU)
+    await s.refresh()
+    assert s.residency(route) == "not loaded" and s.start_state(route) == "cold"
+    assert s.start_state(Route(name="base", kind="base")) is None
+    record = RequestRecord("r1", "POST", "/v1/chat/completions", started=10.0, route="shout")
+    record.first_token_at, record.adapter_state, record.status = 10.5, "cold", 200
+    metrics.set_routes(frozenset({"shout"}))
+    metrics.observe(record)
+    labels = {"route": "shout", "adapter_state": "cold"}
+    assert sample(metrics, "gateway_adapter_time_to_first_token_seconds_count", **labels) == 1
+
+
+def test_two_versions_of_a_route_never_share_an_engine_name() -> None:
+    """vLLM dedups a batch's LoRA requests by name: during a hot swap the new version runs
+    as name@digest until the old one drains, then under the route name again."""
+    old, new = lora_route("shout", 1), lora_route("shout", 2)
+    tables = iter([RoutingTable(Route("b", "base"), {"shout": old}, {})])
+    catalog = Catalog(lambda ids: next(tables))
+    on_old = catalog.acquire("shout")
+    assert on_old.route.lora is not None and on_old.route.lora.name == "shout"
+    catalog.table = RoutingTable(Route("b", "base"), {"shout": new}, {})
+    during = catalog.acquire("shout")
+    assert during.route.lora == LoraSpec("shout@" + "02" * 6, 2, "/a/shout")
+    assert during.route.name == "shout"  # the route (metrics, headers) keeps its name
+    on_old.release()
+    after = catalog.acquire("shout")
+    assert after.route.lora is not None and after.route.lora.name == "shout"
+    during.release()
+    after.release()
+    assert catalog.in_use() == {}
+
+
+async def test_a_removed_version_takes_its_copy_along(tmp_path: Path) -> None:
+    engine = SlotEngine()
+    snapshots = SnapshotDir(tmp_path)
+    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, snapshots)  # type: ignore[arg-type]
+    copy = snapshots.path / ("ab" * 32)
+    copy.mkdir()
+    route = Route(name="shout", kind="lora", lora=LoraSpec("shout", 7, str(copy)), digest="ab" * 32)
+    await s.register(route)
+    await s.remove(7)
+    assert not copy.exists() and engine.loras == set()
+    snapshots.close()
+
+
+def test_max_cpu_loras_is_a_flag() -> None:
+    from gateway.cli import _overrides, build_parser
+
+    args = build_parser().parse_args(["serve", "--max-cpu-loras", "12"])
+    assert _overrides(args)["engine.max_cpu_loras"] == 12
+
+
+async def test_a_failed_warm_up_takes_the_weights_back_out() -> None:
+    from gateway.errors import EngineFailed
+
+    s, engine, _ = slots()
+
+    async def failing_pin(lora_id: int) -> None:
+        raise EngineFailed("no")
+
+    engine.pin_lora = failing_pin  # type: ignore[method-assign]
+    try:
+        await s.register(lora_route("shout", 1, pinned=True))
+    except EngineFailed:
+        pass
+    else:
+        raise AssertionError("the failure must reach the catalog, which rejects the route")
+    assert engine.loras == set() and s.registered == set()
+
+
+def test_gateways_sharing_a_cache_keep_each_others_copies(tmp_path: Path) -> None:
+    first = SnapshotDir(tmp_path)
+    (first.path / "digest").mkdir()
+    second = SnapshotDir(tmp_path)  # another gateway starting: the first is alive
+    assert (first.path / "digest").is_dir() and second.path != first.path
+    first._lock.close()  # the first process is gone (its lock goes with it)
+    third = SnapshotDir(tmp_path)
+    assert not first.path.exists() and second.path.exists()
+    second.close()
+    third.close()

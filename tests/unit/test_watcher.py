@@ -1,0 +1,146 @@
+"""The catalog watcher on a real directory: rejected entries come back when fixed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from watchfiles import Change
+
+from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
+from gateway.watcher import CatalogWatcher
+
+SHIPPED = Path(__file__).resolve().parents[2] / "adapters"
+CATALOG = """
+routes:
+  - {name: shout, adapter: shout}
+  - {name: broken, adapter: broken}
+  - {name: later, adapter: later}
+"""
+
+
+class Rig:
+    def __init__(self, tmp_path: Path) -> None:
+        self.root = tmp_path / "adapters"
+        self.root.mkdir()
+        shutil.copytree(SHIPPED / "shout", self.root / "shout")
+        shutil.copytree(SHIPPED / "shout", self.root / "broken")
+        (self.root / "broken" / "adapter_config.json").write_text("{not json")
+        self.catalog_path = tmp_path / "conf" / "adapters.yaml"
+        self.catalog_path.parent.mkdir()
+        self.catalog_path.write_text(CATALOG)
+        self.reloads = 0
+        self.catalog = Catalog(self.build)
+        self.reload_now = asyncio.Event()
+        self.watcher = CatalogWatcher(
+            self.catalog_path, self.root, self.catalog, self.reload, 0.05, self.reload_now
+        )
+
+    def build(self, ids: LoraIds) -> RoutingTable:
+        return load_table(
+            self.catalog_path,
+            base_name="gemma-3-270m",
+            adapters_root=self.root,
+            max_lora_rank=16,
+            model_modules=None,
+            lora_ids=ids,
+        )
+
+    async def reload(self) -> bool:
+        self.reloads += 1
+        return self.catalog.reload()
+
+
+@asynccontextmanager
+async def watching(tmp_path: Path) -> AsyncIterator[Rig]:
+    """A rig with its watcher running (in the test's own event loop)."""
+    rig = Rig(tmp_path)
+    task = asyncio.create_task(rig.watcher.run())
+    await rig.watcher.watching.wait()
+    await asyncio.sleep(0.3)  # the notifications are set up just after `watching`
+    yield rig
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def within(seconds: float, ok: Callable[[], bool]) -> bool:
+    """Poll ``ok`` until it holds or ``seconds`` pass (the issue's bound: 2 s)."""
+    for _ in range(int(seconds / 0.05)):
+        if ok():
+            return True
+        await asyncio.sleep(0.05)
+    return ok()
+
+
+async def test_a_fixed_adapter_config_goes_live_without_sighup(tmp_path: Path) -> None:
+    async with watching(tmp_path) as rig:
+        assert set(rig.catalog.table.routes) == {"shout"}
+        assert "adapter_config.json is invalid" in rig.catalog.table.errors["broken"]
+        config = (SHIPPED / "shout" / "adapter_config.json").read_text()
+        (rig.root / "broken" / "adapter_config.json").write_text(config)  # fixed in place
+        assert await within(2.0, lambda: "broken" in rig.catalog.table.routes)
+        assert "broken" not in rig.catalog.table.errors
+        assert not rig.reload_now.is_set() or rig.reloads >= 1
+
+
+async def test_an_adapter_directory_that_appears_later_goes_live(tmp_path: Path) -> None:
+    async with watching(tmp_path) as rig:
+        assert "adapter directory not found" in rig.catalog.table.errors["later"]
+        staging = rig.root.parent / "staging"
+        shutil.copytree(SHIPPED / "shout", staging)
+        staging.rename(rig.root / "later")  # how a deploy drops an adapter in: whole, at once
+        assert await within(2.0, lambda: "later" in rig.catalog.table.routes)
+
+
+async def test_a_catalog_edit_goes_live_and_editor_files_do_not_reload(tmp_path: Path) -> None:
+    async with watching(tmp_path) as rig:
+        (rig.catalog_path.parent / ".adapters.yaml.swp").write_text("x")
+        (rig.catalog_path.parent / "gateway.yaml").write_text("x")
+        await asyncio.sleep(0.5)
+        assert rig.reloads == 0
+        rig.catalog_path.write_text(CATALOG + "  - {name: concise, system_prompt: Be brief.}\n")
+        assert await within(2.0, lambda: "concise" in rig.catalog.table.routes)
+
+
+async def test_sighup_reloads_with_no_file_change(tmp_path: Path) -> None:
+    async with watching(tmp_path) as rig:
+        rig.reload_now.set()
+        assert await within(2.0, lambda: rig.reloads == 1)
+
+
+async def test_a_change_during_a_reload_is_not_lost(tmp_path: Path) -> None:
+    async with watching(tmp_path) as rig:
+        gate = asyncio.Event()
+        plain_reload = rig.reload
+
+        async def slow_reload() -> bool:
+            ok = await plain_reload()
+            await gate.wait()  # the engine is busy loading adapters
+            return ok
+
+        rig.watcher.reload = slow_reload
+        rig.reload_now.set()
+        assert await within(2.0, lambda: rig.reloads == 1)
+        config = json.loads((SHIPPED / "shout" / "adapter_config.json").read_text())
+        (rig.root / "broken" / "adapter_config.json").write_text(json.dumps(config))  # mid-reload
+        await asyncio.sleep(0.5)
+        gate.set()
+        assert await within(2.0, lambda: "broken" in rig.catalog.table.routes)
+        assert rig.reloads == 2
+
+
+def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    relevant = rig.watcher.relevant
+    conf = rig.catalog_path.parent
+    assert relevant(Change.modified, str(rig.catalog_path))
+    assert relevant(Change.added, str(conf / "..data"))  # a ConfigMap mount's atomic swap
+    assert relevant(Change.added, str(rig.root.resolve() / "new" / "adapter_config.json"))
+    assert not relevant(Change.added, str(conf / "adapters.yaml~"))
+    assert not relevant(Change.modified, str(conf / "templates" / "adapters.yaml"))
