@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.adapters_check import adapter_digest, check_adapter, one_line, safe_adapter_path
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
-from gateway.types import LoraSpec
+from gateway.structured import route_constraint
+from gateway.types import Constraint, LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class RouteEntry(BaseModel):
     system_prompt: str | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
+    # A default response format (OpenAI's object, a bare JSON schema, or "file:<path>"
+    # under the catalog's folder); with ``enforce`` requests cannot ask for another.
+    response_format: dict[str, Any] | str | None = None
+    enforce: bool = False
 
 
 class BaseEntry(BaseModel):
@@ -82,6 +87,8 @@ class Route:
     system_prompt: str | None = None
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     chat_template: str | None = None
+    response_format: Constraint | None = None
+    enforce: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,9 @@ def load_table(
             clash = taken.intersection([entry.name, *entry.aliases])
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
-            route = _build_route(entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids)
+            route = _build_route(
+                entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids, catalog_path.parent
+            )
         except (ConfigError, ValidationError) as exc:
             errors[label] = _one_line(exc)
             log.error("catalog entry %s rejected: %s", label, errors[label])
@@ -179,7 +188,10 @@ def _build_route(
     base_name: str,
     model_modules: set[str] | None,
     lora_ids: LoraIds,
+    configs_dir: Path,
 ) -> Route:
+    if entry.enforce and entry.response_format is None:
+        raise ConfigError("enforce: true needs a response_format")
     common: dict[str, Any] = dict(
         name=entry.name,
         aliases=tuple(entry.aliases),
@@ -187,6 +199,8 @@ def _build_route(
         system_prompt=entry.system_prompt,
         defaults=entry.defaults,
         chat_template=entry.chat_template,
+        response_format=route_constraint(entry.response_format, configs_dir),
+        enforce=entry.enforce,
     )
     if entry.adapter is None:
         return Route(kind="preset", **common)

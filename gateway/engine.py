@@ -188,9 +188,27 @@ class EngineManager:
         """vLLM's SamplingParams, built (and so checked) before a stream starts: what vLLM
         would refuse is an InvalidRequest now, not an error event after the 200."""
         try:
-            return _sampling_params(sampling)
+            params = _sampling_params(sampling)
         except Exception as exc:
             raise _translate(exc) from None
+        if sampling.constraint is not None:
+            self._check_structured(params)
+        return params
+
+    def _check_structured(self, params: Any) -> None:
+        """Have the engine's grammar backend take the constraint now, as ``add_request``
+        would later: a schema or grammar it refuses is a 400 before the stream starts.
+        Whatever it raises here is about the request's constraint, not the engine."""
+        engine = self._require()
+        try:
+            _verify_structured(engine, params)
+        except Exception as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            cause = exc.__cause__
+            if cause is not None and str(cause) and str(cause) not in message:
+                message = f"{message} ({str(cause).splitlines()[0]})"
+            raise InvalidRequest(message, param="response_format") from None
+        log.debug("structured output backend: %s", params.structured_outputs._backend)
 
     async def generate(
         self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
@@ -261,6 +279,19 @@ def _sampling_params(s: SamplingSpec) -> Any:
         output_kind=RequestOutputKind.DELTA,
         **extra,
     )
+
+
+def _verify_structured(engine: Any, params: Any) -> None:
+    """vLLM's own check of a structured-output request, which also picks the backend
+    (``auto``: xgrammar, falling back to guidance for what xgrammar cannot compile)."""
+    config = engine.vllm_config
+    processor: Any = getattr(engine, "input_processor", None) or getattr(engine, "processor", None)
+    if hasattr(params, "_validate_structured_outputs"):  # vllm >= 0.30
+        params._validate_structured_outputs(
+            config.model_config, config.structured_outputs_config, processor.tokenizer
+        )
+    elif hasattr(processor, "_validate_structured_output"):  # older: the processor checks
+        processor._validate_structured_output(params)
 
 
 def _lora_request(lora: LoraSpec) -> Any:

@@ -33,6 +33,7 @@ from gateway.sse import (
     encode_stream,
 )
 from gateway.state import Gateway
+from gateway.structured import as_response_format
 
 
 def _gateway(request: Request) -> Gateway:
@@ -141,6 +142,8 @@ def model_cards(catalog: Catalog, created: int) -> list[dict[str, Any]]:
             "status": "ready",
             "aliases": list(route.aliases),
             "tasks": list(route.tasks),
+            "response_format": as_response_format(route.response_format, route.name),
+            "response_format_enforced": route.enforce,
         }
         cards.append(model_card(route.name, "gateway", created, parent, **extra))
         for alias in route.aliases:

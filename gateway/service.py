@@ -20,6 +20,7 @@ from gateway.catalog import Lease, Route
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, SamplingFields
 from gateway.settings import LimitSettings
+from gateway.structured import choose, request_constraint
 from gateway.tokenizing import PromptTokenizer
 from gateway.types import EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
@@ -150,6 +151,7 @@ class ChatService:
             messages=[{"role": "user", "content": request.question}],
             max_tokens=request.max_tokens,
             temperature=request.temperature,
+            response_format=(request.model_extra or {}).get("response_format"),
         )
         return await self.chat(chat, lease)
 
@@ -206,6 +208,9 @@ class ChatService:
             )
         if max_tokens is None:
             max_tokens = min(defaults.max_tokens or limits.default_max_tokens, room)
+        route = lease.route
+        asked, param = request_constraint(request.model_extra or {})
+        constraint = choose(asked, param, route.response_format, route.enforce, route.name)
         sampling = SamplingSpec(
             max_tokens=max_tokens,
             temperature=_pick(request.temperature, defaults.temperature, 1.0),
@@ -220,12 +225,18 @@ class ChatService:
             logprobs=logprobs,
             ignore_eos=request.ignore_eos,
             min_tokens=min(request.min_tokens, max_tokens),
+            constraint=constraint,
         )
         if sampling.n > 1 and sampling.temperature == 0:
             raise InvalidRequest(
                 "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
             )
-        params = self._engine.prepare(sampling)
+        try:
+            params = self._engine.prepare(sampling)
+        except InvalidRequest as exc:
+            if exc.param == "response_format":  # the engine's grammar backend refused it
+                exc.param = param
+            raise
         return Generation(self._engine, lease, prompt_ids, sampling, params, id_prefix)
 
 
