@@ -203,11 +203,10 @@ class EngineManager:
         try:
             _verify_structured(engine, params)
         except Exception as exc:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            cause = exc.__cause__
-            if cause is not None and str(cause) and str(cause) not in message:
-                message = f"{message} ({str(cause).splitlines()[0]})"
-            raise InvalidRequest(message, param="response_format") from None
+            message = _one_line(exc)
+            if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
+                message = f"{message} ({_one_line(exc.__cause__)})"
+            raise InvalidRequest(message[:500], param="response_format") from None
         log.debug("structured output backend: %s", params.structured_outputs._backend)
 
     async def generate(
@@ -292,6 +291,10 @@ def _verify_structured(engine: Any, params: Any) -> None:
         )
     elif hasattr(processor, "_validate_structured_output"):  # older: the processor checks
         processor._validate_structured_output(params)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def _lora_request(lora: LoraSpec) -> Any:
