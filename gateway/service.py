@@ -208,9 +208,8 @@ class ChatService:
             )
         if max_tokens is None:
             max_tokens = min(defaults.max_tokens or limits.default_max_tokens, room)
-        route = lease.route
         asked, param = request_constraint(request.model_extra or {})
-        constraint = choose(asked, param, route.response_format, route.enforce, route.name)
+        route = lease.route
         sampling = SamplingSpec(
             max_tokens=max_tokens,
             temperature=_pick(request.temperature, defaults.temperature, 1.0),
@@ -225,19 +224,24 @@ class ChatService:
             logprobs=logprobs,
             ignore_eos=request.ignore_eos,
             min_tokens=min(request.min_tokens, max_tokens),
-            constraint=constraint,
+            constraint=choose(asked, param, route.response_format, route.enforce, route.name),
         )
         if sampling.n > 1 and sampling.temperature == 0:
             raise InvalidRequest(
                 "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
             )
-        try:
-            params = self._engine.prepare(sampling)
-        except InvalidRequest as exc:
-            if exc.param == "response_format":  # the engine's grammar backend refused it
-                exc.param = param
-            raise
+        params = self._prepare(sampling, param)
         return Generation(self._engine, lease, prompt_ids, sampling, params, id_prefix)
+
+    def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
+        """The engine's form of ``sampling``; a constraint its grammar backend refuses is
+        reported on the field it came from."""
+        try:
+            return self._engine.prepare(sampling)
+        except InvalidRequest as exc:
+            if exc.param == "response_format":
+                exc.param = constraint_param
+            raise
 
 
 def _pick(*values: float | None) -> float:
