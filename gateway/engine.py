@@ -201,7 +201,7 @@ class EngineManager:
         Whatever it raises here is about the request's constraint, not the engine."""
         engine = self._require()
         try:
-            _verify_structured(engine, params)
+            _verify_structured(engine, params, self._tokenizer)
         except Exception as exc:
             message = _one_line(exc)
             if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
@@ -280,17 +280,25 @@ def _sampling_params(s: SamplingSpec) -> Any:
     )
 
 
-def _verify_structured(engine: Any, params: Any) -> None:
+def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:
     """vLLM's own check of a structured-output request, which also picks the backend
-    (``auto``: xgrammar, falling back to guidance for what xgrammar cannot compile)."""
+    (``auto``: xgrammar, falling back to guidance for what xgrammar cannot compile).
+    Its arguments changed across versions (0.32 added ``model_config``), so they are
+    passed by name; ``verify`` (which also runs the other checks) is the fallback."""
     config = engine.vllm_config
-    processor: Any = getattr(engine, "input_processor", None) or getattr(engine, "processor", None)
-    if hasattr(params, "_validate_structured_outputs"):  # vllm >= 0.30
-        params._validate_structured_outputs(
-            config.model_config, config.structured_outputs_config, processor.tokenizer
+    known = {
+        "model_config": config.model_config,
+        "structured_outputs_config": config.structured_outputs_config,
+        "tokenizer": tokenizer,
+    }
+    check = getattr(params, "_validate_structured_outputs", None)
+    if check is not None:
+        wanted = inspect.signature(check).parameters
+        check(**{name: value for name, value in known.items() if name in wanted})
+    else:
+        params.verify(
+            config.model_config, config.speculative_config, config.structured_outputs_config, tokenizer
         )
-    elif hasattr(processor, "_validate_structured_output"):  # older: the processor checks
-        processor._validate_structured_output(params)
 
 
 def _one_line(exc: BaseException) -> str:
