@@ -129,13 +129,10 @@ def parse_structured_outputs(value: Any) -> Constraint | None:
         if not isinstance(item, list) or not item or not all(isinstance(c, str) for c in item):
             raise InvalidRequest(f"'{param}.choice' must be a non-empty list of strings", param=param)
         return Constraint("choice", tuple(item))
+    # Regexes and grammars are the grammar backend's dialect (not Python's ``re``): the
+    # engine checks them in ``prepare``.
     if not isinstance(item, str) or not item.strip():
         raise InvalidRequest(f"'{param}.{kind}' must be a non-empty string", param=param)
-    if kind == "regex":
-        try:
-            re.compile(item)
-        except re.error as exc:
-            raise InvalidRequest(f"'{param}.regex' is not a valid regex: {exc}", param=param) from None
     return Constraint("regex" if kind == "regex" else "grammar", item)
 
 
