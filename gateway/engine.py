@@ -135,7 +135,6 @@ class EngineManager:
                 args["max_cpu_loras"] = s.max_cpu_loras
         args.update(s.engine_args)
         args.setdefault("disable_log_stats", False)
-        args.setdefault("structured_outputs_config", _structured_outputs_config())
         log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if v is not None})
         # The server usage context gives the same defaults as `vllm serve` (e.g. a larger
         # max_num_batched_tokens on GPUs), so side-by-side numbers compare like with like.
@@ -279,16 +278,6 @@ def _sampling_params(s: SamplingSpec) -> Any:
         output_kind=RequestOutputKind.DELTA,
         **extra,
     )
-
-
-def _structured_outputs_config() -> Any:
-    """vLLM's default backend (``auto``), with JSON written compactly: under a grammar that
-    allows whitespace anywhere, a small model can spend all of ``max_tokens`` on blanks
-    inside the object and never close it (the embedded model did, on the json route).
-    ``engine.engine_args.structured_outputs_config`` overrides it."""
-    from vllm.config import StructuredOutputsConfig
-
-    return StructuredOutputsConfig(disable_any_whitespace=True)
 
 
 def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:

@@ -192,9 +192,7 @@ def test_invalid_structured_outputs_are_400s(http: httpx.Client, constraint: Any
 
 # -- per-route structure ------------------------------------------------------------------
 def test_json_route_enforces_its_schema(http: httpx.Client) -> None:
-    # "Translate hello to French." once ran to max_tokens on blanks inside the object,
-    # before JSON was written compactly (engine._structured_outputs_config).
-    for question in ("What is the capital of France?", "Tell me a joke.", "Translate hello to French."):
+    for question in ("What is the capital of France?", "Tell me a joke."):
         messages = [{"role": "user", "content": question}]
         (text,) = content_of(chat(http, model="json", messages=messages))
         jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
