@@ -34,7 +34,8 @@ from gateway.adapters_check import (
 )
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
 from gateway.snapshots import SnapshotDir
-from gateway.types import LoraSpec
+from gateway.structured import route_constraint
+from gateway.types import Constraint, LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class RouteEntry(BaseModel):
     strict_base_model: bool = False  # a different base_model_name_or_path rejects, not warns
     pinned: bool = False  # kept resident in a GPU slot (vLLM pin_lora)
     preload: bool = False  # warmed with a one-token request at registration
+    # A default response format (OpenAI's object, a bare JSON schema, or "file:<path>"
+    # under the catalog's folder); with ``enforce`` requests cannot ask for another.
+    response_format: dict[str, Any] | str | None = None
+    enforce: bool = False
 
 
 class BaseEntry(BaseModel):
@@ -103,6 +108,8 @@ class Route:
     warnings: tuple[str, ...] = ()
     pinned: bool = False
     preload: bool = False
+    response_format: Constraint | None = None
+    enforce: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,7 +193,9 @@ def load_table(
             clash = taken.intersection([entry.name, *entry.aliases])
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
-            route = _build_route(entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids)
+            route = _build_route(
+                entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids, catalog_path.parent
+            )
             if snapshots is not None and route.lora is not None:
                 route = _on_snapshot(route, snapshots, lora_ids)
         except (ConfigError, ValidationError) as exc:
@@ -205,7 +214,10 @@ def _build_route(
     base_name: str,
     model_modules: ModelShapes | None,
     lora_ids: LoraIds,
+    configs_dir: Path,
 ) -> Route:
+    if entry.enforce and entry.response_format is None:
+        raise ConfigError("enforce: true needs a response_format")
     common: dict[str, Any] = dict(
         name=entry.name,
         aliases=tuple(entry.aliases),
@@ -214,6 +226,8 @@ def _build_route(
         defaults=entry.defaults,
         chat_template=entry.chat_template,
         tool_parser=entry.tool_parser,
+        response_format=route_constraint(entry.response_format, configs_dir),
+        enforce=entry.enforce,
     )
     if entry.adapter is None:
         asked = [k for k in ("strict_base_model", "pinned", "preload") if getattr(entry, k)]

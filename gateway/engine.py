@@ -197,6 +197,8 @@ class EngineManager:
             raise
         except Exception as exc:
             raise _translate(exc) from None
+        if sampling.constraint is not None:
+            self._check_structured(params)
         return params
 
     def _verify(self, params: Any) -> None:
@@ -219,6 +221,20 @@ class EngineManager:
             return int(self._engine.vllm_config.model_config.get_vocab_size())
         except AttributeError:
             return 0
+
+    def _check_structured(self, params: Any) -> None:
+        """Have the engine's grammar backend take the constraint now, as ``add_request``
+        would later: a schema or grammar it refuses is a 400 before the stream starts.
+        Whatever it raises here is about the request's constraint, not the engine."""
+        engine = self._require()
+        try:
+            _verify_structured(engine, params, self._tokenizer)
+        except Exception as exc:
+            message = _one_line(exc)
+            if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
+                message = f"{message} ({_one_line(exc.__cause__)})"
+            raise InvalidRequest(message[:500], param="response_format") from None
+        log.debug("structured output backend: %s", params.structured_outputs._backend)
 
     async def generate(
         self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
@@ -305,6 +321,31 @@ def _sampling_params(s: SamplingSpec) -> Any:
         output_kind=RequestOutputKind.DELTA,
         **extra,
     )
+
+
+def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:
+    """vLLM's own check of a structured-output request, which also picks the backend
+    (``auto``: xgrammar, falling back to guidance for what xgrammar cannot compile).
+    Its arguments changed across versions (0.32 added ``model_config``), so they are
+    passed by name; ``verify`` (which also runs the other checks) is the fallback."""
+    config = engine.vllm_config
+    known = {
+        "model_config": config.model_config,
+        "structured_outputs_config": config.structured_outputs_config,
+        "tokenizer": tokenizer,
+    }
+    check = getattr(params, "_validate_structured_outputs", None)
+    if check is not None:
+        wanted = inspect.signature(check).parameters
+        check(**{name: value for name, value in known.items() if name in wanted})
+    else:
+        params.verify(
+            config.model_config, config.speculative_config, config.structured_outputs_config, tokenizer
+        )
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def _lora_request(lora: LoraSpec) -> Any:

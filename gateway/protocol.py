@@ -37,11 +37,6 @@ class _Request(BaseModel):
             value = (self.model_extra or {}).get(name)
             if not _harmless(value):
                 raise ValueError(f"'{name}' is not supported by this gateway")
-        fmt = (self.model_extra or {}).get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            raise ValueError(
-                "response_format other than 'text' is not supported; route to the 'json' adapter"
-            )
         return self
 
 

@@ -38,6 +38,7 @@ from gateway.sse import (
 from gateway.sse_tools import ToolChatEncoder, tool_chat_response
 from gateway.state import Gateway
 from gateway.store import Stored
+from gateway.structured import as_response_format
 from gateway.tokenize_api import detokenize, tokenize
 
 
@@ -227,6 +228,8 @@ def model_cards(catalog: Catalog, created: int, slots: AdapterSlots | None = Non
             "status": "ready",
             "aliases": list(route.aliases),
             "tasks": list(route.tasks),
+            "response_format": as_response_format(route.response_format, route.name),
+            "response_format_enforced": route.enforce,
             **(adapter_fields(route, slots) if route.lora is not None else {}),
         }
         cards.append(model_card(route.name, "gateway", created, parent, **extra))

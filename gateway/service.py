@@ -28,6 +28,7 @@ from gateway.protocol import (
     SamplingFields,
 )
 from gateway.settings import LimitSettings
+from gateway.structured import choose, request_constraint
 from gateway.tokenizing import PromptTokenizer
 from gateway.tools import NO_TOOLS, ToolPlan, plan_tools, template_messages, tool_template, uses_tools
 from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
@@ -168,8 +169,11 @@ class ChatService:
         prompt_ids = await self._tokenize(
             lambda: self._chat_text(messages, template, tools), False, size=_size(messages)
         )
-        limit, logprobs, constraint = request.token_limit, request.num_logprobs, constraint or plan.constraint
-        gen = self._start(request, lease, prompt_ids, limit, logprobs, "chatcmpl", constraint)
+        shape = _constraint(request, route, constraint, "text")
+        if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
+            shape = (plan.constraint, "tools")
+        limit, logprobs = request.token_limit, request.num_logprobs
+        gen = self._start(request, lease, prompt_ids, limit, logprobs, "chatcmpl", shape)
         gen.tools = plan
         return gen
 
@@ -190,6 +194,7 @@ class ChatService:
             1 if prompt_only else request.token_limit,
             request.num_logprobs,
             "cmpl",
+            _constraint(request, lease.route),
             more_prompts=prompts[1:],
             echo=echo,
         )
@@ -221,6 +226,7 @@ class ChatService:
             messages=[{"role": "user", "content": request.question}],
             max_tokens=request.max_tokens,
             temperature=request.temperature,
+            response_format=(request.model_extra or {}).get("response_format"),
         )
         return await self.chat(chat, lease)
 
@@ -257,7 +263,7 @@ class ChatService:
         max_tokens: int | None,
         logprobs: int | None,
         id_prefix: str,
-        constraint: Constraint | None = None,
+        shape: tuple[Constraint | None, str],
         *,
         more_prompts: list[list[int]] | None = None,
         echo: list[Echo] | None = None,
@@ -278,6 +284,7 @@ class ChatService:
         max_tokens = self._token_budget(
             len(longest), max_tokens, lease, "messages" if id_prefix == "chatcmpl" else "prompt"
         )
+        constraint, constraint_param = shape
         sampling = _sampling(request, lease.route.defaults, max_tokens, logprobs, constraint)
         if echo is not None and logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=logprobs)
@@ -285,7 +292,7 @@ class ChatService:
             raise InvalidRequest(
                 "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
             )
-        params = self._engine.prepare(sampling)
+        params = self._prepare(sampling, constraint_param)
         return Generation(
             self._engine,
             lease,
@@ -318,6 +325,16 @@ class ChatService:
             max_tokens = min(lease.route.defaults.max_tokens or self._limits.default_max_tokens, room)
         return max_tokens
 
+    def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
+        """The engine's form of ``sampling``; a constraint its grammar backend refuses is
+        reported on the field it came from."""
+        try:
+            return self._engine.prepare(sampling)
+        except InvalidRequest as exc:
+            if exc.param == "response_format":
+                exc.param = constraint_param
+            raise
+
 
 def _sampling(
     request: SamplingFields,
@@ -344,6 +361,18 @@ def _sampling(
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
         constraint=constraint,
     )
+
+
+def _constraint(
+    request: SamplingFields, route: Route, given: Constraint | None = None, given_param: str = ""
+) -> tuple[Constraint | None, str]:
+    """The output's shape and the field it came from: ``given`` (asked for outside the
+    body, by ``/v1/responses``' ``given_param``), else the body's ``response_format`` or
+    ``structured_outputs``; the route's default when none, its own if it enforces one."""
+    asked, param = request_constraint(request.model_extra or {})
+    if given is not None:
+        asked, param = given, given_param
+    return choose(asked, param, route.response_format, route.enforce, route.name), param
 
 
 def _pick(*values: float | None) -> float:

@@ -160,7 +160,6 @@ async def test_bad_template_is_400() -> None:
         {"messages": [{"role": "user", "content": "x"}], "n": 0},
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
     ],
 )
 def test_invalid_chat_bodies_are_rejected(body: dict[str, object]) -> None:

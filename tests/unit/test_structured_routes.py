@@ -1,0 +1,100 @@
+"""Structured outputs through the catalog and the service (fake engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.catalog import Catalog, LoraIds, Route, RoutingTable, load_table
+from gateway.errors import InvalidRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
+from gateway.routes import model_cards
+from gateway.service import ChatService
+from gateway.settings import LimitSettings
+from gateway.types import Constraint
+from tests.unit.fakes import FakeEngine
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+ENFORCED = Route(name="json", kind="preset", response_format=Constraint("json", ANSWER), enforce=True)
+DEFAULTED = Route(name="soft", kind="preset", response_format=Constraint("json_object"))
+
+
+def setup() -> tuple[ChatService, Catalog, FakeEngine]:
+    engine = FakeEngine()
+    routes = {"json": ENFORCED, "soft": DEFAULTED}
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes=routes, errors={})
+    return ChatService(engine, LimitSettings()), Catalog(lambda ids: table), engine
+
+
+def chat(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **kw})
+
+
+async def test_the_request_constraint_reaches_the_engine() -> None:
+    service, catalog, engine = setup()
+    fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": ANSWER}}
+    await (await service.chat(chat(response_format=fmt), catalog.acquire(None))).collect()
+    body = {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}
+    await (await service.complete(CompletionRequest.model_validate(body), catalog.acquire(None))).collect()
+    house = HouseChatRequest.model_validate({"question": "q", "response_format": {"type": "json_object"}})
+    await (await service.house(house, catalog.acquire(None))).collect()
+    assert [c[1].constraint for c in engine.calls] == [
+        Constraint("json", ANSWER),
+        Constraint("choice", ("a", "b")),
+        Constraint("json_object"),
+    ]
+
+
+async def test_route_defaults_and_enforcement() -> None:
+    service, catalog, engine = setup()
+    await (await service.chat(chat(model="json"), catalog.acquire("json"))).collect()
+    await (await service.chat(chat(model="soft"), catalog.acquire("soft"))).collect()
+    regex = {"regex": "[0-9]+"}
+    gen = await service.chat(chat(model="soft", structured_outputs=regex), catalog.acquire("soft"))
+    await gen.collect()
+    assert [c[1].constraint for c in engine.calls] == [
+        Constraint("json", ANSWER),
+        Constraint("json_object"),
+        Constraint("regex", "[0-9]+"),
+    ]
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(chat(model="json", structured_outputs=regex), catalog.acquire("json"))
+    assert info.value.param == "structured_outputs"
+
+
+def test_catalog_entries_with_bad_formats_are_rejected(tmp_path: Path) -> None:
+    (tmp_path / "answer.json").write_text('{"type": "object", "properties": {"a": {"type": "string"}}}')
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(
+        """
+routes:
+  - {name: good, system_prompt: x, response_format: "file:answer.json", enforce: true}
+  - {name: inline, system_prompt: x, response_format: {type: object}}
+  - {name: bad, system_prompt: x, response_format: {type: objekt}}
+  - {name: lonely, system_prompt: x, enforce: true}
+  - {name: missing, system_prompt: x, response_format: "file:nope.json"}
+"""
+    )
+    table = load_table(
+        catalog,
+        base_name="base",
+        adapters_root=tmp_path,
+        max_lora_rank=16,
+        model_modules=None,
+        lora_ids=LoraIds(),
+    )
+    assert sorted(table.routes) == ["good", "inline"]
+    assert sorted(table.errors) == ["bad", "lonely", "missing"]
+    assert table.routes["good"].enforce and table.routes["good"].response_format is not None
+    cards = {c["id"]: c for c in model_cards(Catalog(lambda ids: table), 0)}
+    schema = cards["good"]["response_format"]["json_schema"]["schema"]
+    assert schema["properties"] == {"a": {"type": "string"}}
+    assert cards["good"]["response_format_enforced"] is True
+    assert cards["inline"]["response_format_enforced"] is False
+    assert cards["base"]["response_format"] is None
