@@ -1,0 +1,145 @@
+"""bench/'s request shapes: the bodies both servers get, how streamed deltas are read, how a
+finished answer is checked, and where the invalid count lands (results and markdown)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bench import report
+from bench.client import Job, RequestResult, chat_body, summarize
+from bench.shapes import RECORD_SCHEMA, answer_valid, delta_parts, shape_fields
+
+GOOD = json.dumps({"name": "a", "age": 3, "city": "b", "email": "c", "active": True})
+
+
+def test_plain_body_keeps_ignore_eos_and_has_no_structure() -> None:
+    body = chat_body(Job("m", "hi"), 16)
+    assert body["ignore_eos"] is True and body["max_tokens"] == 16 and body["stream"] is True
+    assert "response_format" not in body and "tools" not in body
+
+
+def test_json_schema_body_is_strict_with_the_five_field_object_and_no_ignore_eos() -> None:
+    body = chat_body(Job("m", "hi"), 48, "json_schema")
+    assert "ignore_eos" not in body and body["max_tokens"] == 48
+    rf = body["response_format"]
+    assert rf["type"] == "json_schema"
+    assert rf["json_schema"]["strict"] is True and rf["json_schema"]["name"] == "record"
+    schema = rf["json_schema"]["schema"]
+    assert (
+        sorted(schema["properties"])
+        == sorted(schema["required"])
+        == ["active", "age", "city", "email", "name"]
+    )
+    assert schema["additionalProperties"] is False
+
+
+def test_tools_body_requires_one_function_with_the_same_object() -> None:
+    body = chat_body(Job("m", "hi"), 48, "tools")
+    assert "ignore_eos" not in body and body["tool_choice"] == "required"
+    (tool,) = body["tools"]
+    assert tool["type"] == "function" and tool["function"]["parameters"] == RECORD_SCHEMA
+
+
+def test_unknown_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown shape"):
+        shape_fields("xml")
+
+
+@pytest.mark.parametrize(
+    ("delta", "expected"),
+    [
+        ({"role": "assistant", "content": ""}, ("", "", False)),
+        ({"content": '{"na'}, ('{"na', "", True)),
+        ({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "record"}}]}, ("", "", True)),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": '{"age"'}}]}, ("", '{"age"', True)),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": ""}}]}, ("", "", False)),
+        ({"content": None, "tool_calls": None}, ("", "", False)),
+    ],
+)
+def test_delta_parts_reads_content_and_tool_call_arguments(delta: dict[str, Any], expected: tuple) -> None:
+    assert delta_parts(delta) == expected
+
+
+def test_delta_parts_keeps_the_first_tool_calls_arguments_only() -> None:
+    delta = {
+        "tool_calls": [
+            {"index": 0, "function": {"arguments": "{}"}},
+            {"index": 1, "function": {"arguments": "x"}},
+        ]
+    }
+    assert delta_parts(delta)[1] == "{}"
+
+
+def test_answer_valid_checks_the_shapes_own_field() -> None:
+    assert answer_valid("plain", "anything", "") is None
+    assert answer_valid("json_schema", GOOD, "") is True
+    assert answer_valid("json_schema", "", GOOD) is False
+    assert answer_valid("tools", "", GOOD) is True
+    assert answer_valid("tools", GOOD, "") is False
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        GOOD[:-5],
+        "[1, 2]",
+        json.dumps({"name": "a"}),
+        json.dumps({**json.loads(GOOD), "extra": 1}),
+        "not json",
+    ],
+)
+def test_answer_valid_refuses_truncated_non_object_or_wrong_fields(text: str) -> None:
+    assert answer_valid("json_schema", text, "") is False
+
+
+def _res(valid: bool | None, ok: bool = True) -> RequestResult:
+    return RequestResult(ok=ok, start=0.0, end=1.0, ttft=0.1, completion_tokens=10, valid=valid)
+
+
+def test_summarize_counts_invalid_answers_apart_from_failures() -> None:
+    s = summarize([_res(True), _res(False), _res(False), _res(None, ok=False)], 2.0, 16)
+    assert (s["completed"], s["failed"], s["invalid"]) == (3, 1, 2)
+    assert s["out_tok_per_s"] == pytest.approx(15.0)  # invalid answers' tokens still count
+
+
+def test_markdown_shows_the_shape_and_an_invalid_column() -> None:
+    point = {
+        "target": "gateway",
+        "mix": "base",
+        "concurrency": 1,
+        **summarize([_res(True), _res(False)], 1.0, 16),
+    }
+    meta = {
+        "date": "d",
+        "machine": "m",
+        "versions": {},
+        "host": "h",
+        "engine": {
+            "model": "x",
+            "served_name": "x",
+            "dtype": "f",
+            "load_format": None,
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1,
+            "max_model_len": 1,
+            "max_loras": 1,
+            "adapters": {},
+        },
+        "adapter_rank": 8,
+        "prompt_tokens": 64,
+        "output_tokens": 48,
+        "requests": {1: 2},
+        "mixes": ["base"],
+        "concurrencies": [1],
+        "client": "c",
+        "shape": "tools",
+    }
+    md = report.markdown({"meta": meta, "points": [point]})
+    assert "- shape: tools (" in md and "no ignore_eos" in md
+    header = next(line for line in md.splitlines() if line.startswith("| target | mix | conc | req/s"))
+    row = next(line for line in md.splitlines() if line.startswith("| gateway | base | 1 |"))
+    assert header.rstrip(" |").endswith("invalid")
+    assert row.split("|")[-3:-1] == [" 0 ", " 1 "]  # fail 0, invalid 1
