@@ -143,3 +143,69 @@ def test_markdown_shows_the_shape_and_an_invalid_column() -> None:
     row = next(line for line in md.splitlines() if line.startswith("| gateway | base | 1 |"))
     assert header.rstrip(" |").endswith("invalid")
     assert row.split("|")[-3:-1] == [" 0 ", " 1 "]  # fail 0, invalid 1
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 12}}
+TOOL_STREAM = _sse(
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "record"}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": GOOD[:10]}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": GOOD[10:]}}]}),
+    _chunk({}, "tool_calls"),
+    USAGE,
+)
+CONTENT_STREAM = _sse(
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk({"content": GOOD[:5]}),
+    _chunk({"content": GOOD[5:-3]}),
+    _chunk({}, "length"),
+    USAGE,
+)
+
+
+@pytest.mark.parametrize(
+    ("shape", "stream", "valid", "chunks"),
+    [("tools", TOOL_STREAM, True, 4), ("json_schema", CONTENT_STREAM, False, 3)],
+)
+def test_drive_times_either_delta_kind_and_checks_the_answer(
+    shape: str, stream: bytes, valid: bool, chunks: int
+) -> None:
+    """A canned SSE stream over real HTTP: the role event is not output, a tool call's name
+    and arguments are, and the answer is the joined content or arguments."""
+    from aiohttp import web
+
+    from bench.client import drive, run_loop
+
+    seen: list[dict[str, Any]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.Response(body=stream, content_type="text/event-stream")
+
+    async def go() -> list[RequestResult]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            results, _ = await drive(f"http://127.0.0.1:{port}", [Job("m", "hi")] * 2, 2, 48, None, shape)
+        finally:
+            await runner.cleanup()
+        return results
+
+    results = run_loop(go())
+    assert [r.ok for r in results] == [True, True]
+    assert all(r.valid is valid and r.chunks == chunks and len(r.itl) == chunks - 1 for r in results)
+    assert results[0].completion_tokens == 12
+    assert seen[0] == chat_body(Job("m", "hi"), 48, shape)
