@@ -121,6 +121,7 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     valid: bool | None = None  # the answer checked against --shape (None: plain, no check)
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -171,6 +172,8 @@ async def _one_request(session: Any, url: str, job: Job, max_tokens: int, shape:
                     text, args, carries = delta_parts(ch.get("delta") or {})
                     content.append(text)
                     arguments.append(args)
+                    if ch.get("finish_reason"):
+                        res.finish_reason = ch["finish_reason"]
                     if carries or ch.get("finish_reason"):
                         if res.ttft is None:
                             res.ttft = now - res.start
@@ -247,6 +250,7 @@ def summarize(results: list[RequestResult], duration: float, max_tokens: int) ->
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "invalid": sum(1 for r in ok if r.valid is False),
+        "invalid_at_length": sum(1 for r in ok if r.valid is False and r.finish_reason == "length"),
         "first_error": errors[0] if errors else None,
         "duration_s": duration,
         "req_per_s": len(ok) / duration if duration else 0.0,

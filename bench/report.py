@@ -241,7 +241,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; mixes: base = base model only, lora4 = a0..a3 round-robin",
         f"- client: {m['client']}",
         "",
-        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | front CPU µs/tok | fail | invalid |",
+        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | front CPU µs/tok | fail | invalid (of which cut at max_tokens) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mix in m["mixes"]:
@@ -254,7 +254,7 @@ def markdown(result: dict[str, Any]) -> str:
                         f"| {name} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
                         f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
                         f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
-                        f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} | {_f(p.get('invalid'), '{:.0f}')} |"
+                        f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} | {_invalid(p)} |"
                     )
     lines += ttft_split(m, pts)
     lines += [
@@ -302,6 +302,12 @@ SHAPE_LINES = {
     "tools": 'tools (one function tool with a 5-field object as parameters, tool_choice "required"; '
     "invalid = answers whose arguments are not that object)",
 }
+
+
+def _invalid(p: dict[str, Any]) -> str:
+    if p.get("invalid") is None:
+        return "-"
+    return f"{p['invalid']:.0f} ({p.get('invalid_at_length', 0):.0f})" if p["invalid"] else "0"
 
 
 def shape_line(shape: str) -> str:

@@ -379,7 +379,8 @@ class Bench:
         log(
             f"{target} {mix} c={c} n={n}: {point['req_per_s']:.2f} req/s {point['out_tok_per_s']:.1f} tok/s "
             f"TTFT p50 {_ms(point['ttft_ms_p50'])} ITL p50 {_ms(point['itl_ms_p50'], 2)} "
-            f"RSS {_ms(point['rss_tree_mb_max'], 0)} MB fail {point['failed']} invalid {point['invalid']}"
+            f"RSS {_ms(point['rss_tree_mb_max'], 0)} MB fail {point['failed']} "
+            f"invalid {point['invalid']} (at max_tokens {point['invalid_at_length']})"
             + (f" ({point['first_error']})" if point["failed"] else "")
         )
         if point["failed"] == n:

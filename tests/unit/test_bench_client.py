@@ -101,7 +101,7 @@ def _res(valid: bool | None, ok: bool = True) -> RequestResult:
 
 def test_summarize_counts_invalid_answers_apart_from_failures() -> None:
     s = summarize([_res(True), _res(False), _res(False), _res(None, ok=False)], 2.0, 16)
-    assert (s["completed"], s["failed"], s["invalid"]) == (3, 1, 2)
+    assert (s["completed"], s["failed"], s["invalid"], s["invalid_at_length"]) == (3, 1, 2, 0)
     assert s["out_tok_per_s"] == pytest.approx(15.0)  # invalid answers' tokens still count
 
 
@@ -141,8 +141,8 @@ def test_markdown_shows_the_shape_and_an_invalid_column() -> None:
     assert "- shape: tools (" in md and "no ignore_eos" in md
     header = next(line for line in md.splitlines() if line.startswith("| target | mix | conc | req/s"))
     row = next(line for line in md.splitlines() if line.startswith("| gateway | base | 1 |"))
-    assert header.rstrip(" |").endswith("invalid")
-    assert row.split("|")[-3:-1] == [" 0 ", " 1 "]  # fail 0, invalid 1
+    assert header.rstrip(" |").endswith("invalid (of which cut at max_tokens)")
+    assert row.split("|")[-3:-1] == [" 0 ", " 1 (0) "]  # fail 0, invalid 1, none cut at max_tokens
 
 
 def _sse(*events: dict[str, Any]) -> bytes:
@@ -208,4 +208,5 @@ def test_drive_times_either_delta_kind_and_checks_the_answer(
     assert [r.ok for r in results] == [True, True]
     assert all(r.valid is valid and r.chunks == chunks and len(r.itl) == chunks - 1 for r in results)
     assert results[0].completion_tokens == 12
+    assert results[0].finish_reason == ("tool_calls" if shape == "tools" else "length")
     assert seen[0] == chat_body(Job("m", "hi"), 48, shape)
