@@ -70,7 +70,7 @@ _CPU: dict[str, Any] = dict(
     requests={1: 8, 4: 16, 16: 48},
     # --shape json_schema|tools: these points, and max_tokens room for the object to close
     structured_concurrencies=[1, 16],
-    structured_output_tokens=64,
+    structured_output_tokens=128,
     start_timeout_s=900,
 )
 
@@ -85,7 +85,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "concurrencies": [1, 4],
         "requests": {1: 3, 4: 8},
         "structured_concurrencies": [1, 4],
-        "structured_output_tokens": 48,
+        "structured_output_tokens": 96,
     },
     # Issue 6 on one H200: Gemma 3 1B-shaped config, dummy weights, the anchor's settings.
     "gpu": dict(
@@ -303,7 +303,8 @@ class Bench:
             return
         port = self.args.port + (0 if target == "vllm" else 1)
         if target == "vllm":
-            cmd, ready = vllm_command(self.spec, port), "/health"
+            parser = "pythonic" if self.shape == "tools" else None  # see vllm_command
+            cmd, ready = vllm_command(self.spec, port, parser), "/health"
         else:
             catalog = write_catalog(self.spec, self.adapters_root, self.work / "catalog.yaml")
             cmd, ready = gateway_command(self.spec, port, catalog, self.adapters_root), "/ready"
