@@ -6,10 +6,12 @@ with one deliberate difference in where TTFT stops (see below):
 - A point is ``n`` requests sent by ``c`` workers (a closed loop: each worker sends its
   next request when the last one ends). Every request streams ``/v1/chat/completions``
   with ``stream_options.include_usage``, ``max_tokens`` N and ``ignore_eos``, so each
-  one returns exactly N tokens (checked against ``usage.completion_tokens``).
+  one returns exactly N tokens (checked against ``usage.completion_tokens``). The
+  structured shapes (bench/shapes.py) drop ``ignore_eos``: they end when the object closes.
 - duration: from the point's first request to its last response byte.
   req/s = completed / duration; output tok/s = sum(usage.completion_tokens) / duration.
-- TTFT: request sent -> first SSE event whose delta carries text (or a finish_reason).
+- TTFT: request sent -> first SSE event whose delta carries text (or a finish_reason);
+  text is ``content``, or for ``--shape tools`` a tool call's name or arguments.
   ``vllm bench serve`` stops at the first event with ``choices``; the gateway sends its
   role event (``{"role":"assistant","content":""}``) before the engine has done anything,
   while vLLM's server sends it with the first token, so that rule would flatter the gateway.
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.shapes import answer_valid, delta_parts, shape_fields
 
 MARK = "\x00CONTENT\x00"
 
@@ -116,6 +120,8 @@ class RequestResult:
     chunks: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    valid: bool | None = None  # the answer checked against --shape (None: plain, no check)
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -125,25 +131,29 @@ class Job:
     prompt_ids: list[int] | None = None  # used by the no-HTTP ceiling only
 
 
-def chat_body(job: Job, max_tokens: int) -> dict[str, Any]:
+def chat_body(job: Job, max_tokens: int, shape: str = "plain") -> dict[str, Any]:
+    """The request body; ``shape`` (bench/shapes.py) adds ``ignore_eos`` (plain) or the
+    structure (json_schema, tools)."""
     return {
         "model": job.model,
         "messages": [{"role": "user", "content": job.content}],
         "max_tokens": max_tokens,
         "temperature": 1.0,
         "top_p": 1.0,
-        "ignore_eos": True,
+        **shape_fields(shape),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
 
 
-async def _one_request(session: Any, url: str, job: Job, max_tokens: int) -> RequestResult:
+async def _one_request(session: Any, url: str, job: Job, max_tokens: int, shape: str) -> RequestResult:
     res = RequestResult(start=time.perf_counter())
     last = res.start
     loads = json.loads
+    content: list[str] = []
+    arguments: list[str] = []
     try:
-        async with session.post(url, json=chat_body(job, max_tokens)) as resp:
+        async with session.post(url, json=chat_body(job, max_tokens, shape)) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 res.end = time.perf_counter()
@@ -159,7 +169,12 @@ async def _one_request(session: Any, url: str, job: Job, max_tokens: int) -> Req
                 choices = obj.get("choices")
                 if choices:
                     ch = choices[0]
-                    if (ch.get("delta") or {}).get("content") or ch.get("finish_reason"):
+                    text, args, carries = delta_parts(ch.get("delta") or {})
+                    content.append(text)
+                    arguments.append(args)
+                    if ch.get("finish_reason"):
+                        res.finish_reason = ch["finish_reason"]
+                    if carries or ch.get("finish_reason"):
                         if res.ttft is None:
                             res.ttft = now - res.start
                         else:
@@ -175,6 +190,8 @@ async def _one_request(session: Any, url: str, job: Job, max_tokens: int) -> Req
         res.ok = res.ttft is not None and not res.error
         if res.ok and not res.completion_tokens:
             res.ok, res.error = False, "no usage in the stream"
+        if res.ok:
+            res.valid = answer_valid(shape, "".join(content), "".join(arguments))
     except Exception as exc:  # a failed request is counted, not fatal
         res.error = f"{type(exc).__name__}: {exc}"[:300]
         res.end = time.perf_counter()
@@ -182,7 +199,12 @@ async def _one_request(session: Any, url: str, job: Job, max_tokens: int) -> Req
 
 
 async def drive(
-    base_url: str, jobs: list[Job], concurrency: int, max_tokens: int, api_key: str | None = None
+    base_url: str,
+    jobs: list[Job],
+    concurrency: int,
+    max_tokens: int,
+    api_key: str | None = None,
+    shape: str = "plain",
 ) -> tuple[list[RequestResult], float]:
     """Send ``jobs`` with ``concurrency`` workers; return the results and the duration."""
     import aiohttp
@@ -195,7 +217,7 @@ async def drive(
 
     async def worker(session: aiohttp.ClientSession) -> None:
         for job in queue:
-            results.append(await _one_request(session, url, job, max_tokens))
+            results.append(await _one_request(session, url, job, max_tokens, shape))
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
@@ -227,6 +249,8 @@ def summarize(results: list[RequestResult], duration: float, max_tokens: int) ->
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "invalid": sum(1 for r in ok if r.valid is False),
+        "invalid_at_length": sum(1 for r in ok if r.valid is False and r.finish_reason == "length"),
         "first_error": errors[0] if errors else None,
         "duration_s": duration,
         "req_per_s": len(ok) / duration if duration else 0.0,

@@ -233,13 +233,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"load_format {m['engine']['load_format'] or 'weights'}, max_num_seqs {m['engine']['max_num_seqs']}, "
         f"max_num_batched_tokens {m['engine']['max_num_batched_tokens']}, max_model_len {m['engine']['max_model_len']}, "
         f"max_loras {m['engine']['max_loras']}, {len(m['engine']['adapters'])} random rank-{m['adapter_rank']} adapters",
+        f"- shape: {shape_line(m.get('shape', 'plain'))}",
         f"- load: streaming /v1/chat/completions, {m['prompt_tokens']} prompt tokens (chat template included), "
-        f"{m['output_tokens']} output tokens (ignore_eos), closed loop at each concurrency; "
+        f"{m['output_tokens']} output tokens"
+        f"{' (ignore_eos)' if m.get('shape', 'plain') == 'plain' else ' at most (max_tokens, no ignore_eos)'}, "
+        "closed loop at each concurrency; "
         f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; mixes: base = base model only, lora4 = a0..a3 round-robin",
         f"- client: {m['client']}",
         "",
-        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | front CPU µs/tok | fail |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | front CPU µs/tok | fail | invalid (of which cut at max_tokens) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mix in m["mixes"]:
         for c in m["concurrencies"]:
@@ -251,7 +254,7 @@ def markdown(result: dict[str, Any]) -> str:
                         f"| {name} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
                         f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
                         f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
-                        f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} |"
+                        f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} | {_invalid(p)} |"
                     )
     lines += ttft_split(m, pts)
     lines += [
@@ -290,6 +293,25 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("notes"):
         lines += ["", *[f"- note: {n}" for n in result["notes"]]]
     return "\n".join(lines) + "\n"
+
+
+SHAPE_LINES = {
+    "plain": "plain (free text, ignore_eos)",
+    "json_schema": "json_schema (response_format json_schema, strict, a 5-field object; "
+    "invalid = answers whose content is not that object)",
+    "tools": 'tools (one function tool with a 5-field object as parameters, tool_choice "required"; '
+    "invalid = answers whose arguments are not that object)",
+}
+
+
+def _invalid(p: dict[str, Any]) -> str:
+    if p.get("invalid") is None:
+        return "-"
+    return f"{p['invalid']:.0f} ({p.get('invalid_at_length', 0):.0f})" if p["invalid"] else "0"
+
+
+def shape_line(shape: str) -> str:
+    return SHAPE_LINES.get(shape, shape)
 
 
 def _pct(share: float | None) -> float | None:

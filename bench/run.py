@@ -46,6 +46,7 @@ from bench.servers import (
     vllm_command,
     write_catalog,
 )
+from bench.shapes import SHAPES, STRUCTURED
 
 # The embedded model's directory; "embedded" asks the gateway's CLI to prepare it and
 # print its path (its folder name carries the preparation recipe's version).
@@ -67,6 +68,9 @@ _CPU: dict[str, Any] = dict(
     output_tokens=32,
     concurrencies=[1, 4, 16],
     requests={1: 8, 4: 16, 16: 48},
+    # --shape json_schema|tools: these points, and max_tokens room for the object to close
+    structured_concurrencies=[1, 16],
+    structured_output_tokens=128,
     start_timeout_s=900,
 )
 
@@ -80,6 +84,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "output_tokens": 16,
         "concurrencies": [1, 4],
         "requests": {1: 3, 4: 8},
+        "structured_concurrencies": [1, 4],
+        "structured_output_tokens": 96,
     },
     # Issue 6 on one H200: Gemma 3 1B-shaped config, dummy weights, the anchor's settings.
     "gpu": dict(
@@ -98,6 +104,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         output_tokens=128,
         concurrencies=[1, 16, 64, 256],
         requests={1: 48, 16: 384, 64: 768, 256: 1536},
+        structured_concurrencies=[1, 64, 256],
+        structured_output_tokens=128,
         start_timeout_s=900,
     ),
 }
@@ -188,6 +196,10 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.p = dict(PROFILES[args.profile])
+        self.shape = args.shape
+        if self.shape in STRUCTURED:
+            self.p["concurrencies"] = self.p["structured_concurrencies"]
+            self.p["output_tokens"] = self.p["structured_output_tokens"]
         for key in ("model", "prompt_tokens", "output_tokens"):
             if getattr(args, key) is not None:
                 self.p[key] = getattr(args, key)
@@ -207,6 +219,8 @@ class Bench:
         )
         if args.profile == "smoke":
             machine += "-smoke"
+        if self.shape != "plain" and not args.machine:
+            machine += f"-{self.shape}"
         date = dt.date.today().isoformat()
         self.out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{date}-{machine}"
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
@@ -222,6 +236,7 @@ class Bench:
                 "gpu": self.gpu,
                 "versions": versions(),
                 "profile": args.profile,
+                "shape": self.shape,
                 "run_id": self.run_id,
                 "prompt_tokens": self.p["prompt_tokens"],
                 "output_tokens": self.p["output_tokens"],
@@ -288,7 +303,8 @@ class Bench:
             return
         port = self.args.port + (0 if target == "vllm" else 1)
         if target == "vllm":
-            cmd, ready = vllm_command(self.spec, port), "/health"
+            parser = "pythonic" if self.shape == "tools" else None  # see vllm_command
+            cmd, ready = vllm_command(self.spec, port, parser), "/health"
         else:
             catalog = write_catalog(self.spec, self.adapters_root, self.work / "catalog.yaml")
             cmd, ready = gateway_command(self.spec, port, catalog, self.adapters_root), "/ready"
@@ -331,7 +347,7 @@ class Bench:
         names = self.model_names[mix]
         seed = seed_for(self.run_id, target, mix, "warm")
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(c)]
-        res, dur = run_loop(drive(server.base_url, jobs, c, 8, self.api_key))
+        res, dur = run_loop(drive(server.base_url, jobs, c, 8, self.api_key, self.shape))
         failed = [r.error for r in res if not r.ok]
         log(f"{target} warm-up {mix}: {len(res) - len(failed)}/{len(res)} ok in {dur:.1f} s")
         if failed:
@@ -344,7 +360,9 @@ class Bench:
         jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
         hist0 = engine_histograms(server.base_url, self.api_key)
         with ProcessSampler(pid) as rss, client_cpus(self.args.client_cpus):
-            res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
+            res, duration = run_loop(
+                drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key, self.shape)
+            )
         engine = engine_means_ms(hist0, engine_histograms(server.base_url, self.api_key))
         point = {
             "target": target,
@@ -362,7 +380,8 @@ class Bench:
         log(
             f"{target} {mix} c={c} n={n}: {point['req_per_s']:.2f} req/s {point['out_tok_per_s']:.1f} tok/s "
             f"TTFT p50 {_ms(point['ttft_ms_p50'])} ITL p50 {_ms(point['itl_ms_p50'], 2)} "
-            f"RSS {_ms(point['rss_tree_mb_max'], 0)} MB fail {point['failed']}"
+            f"RSS {_ms(point['rss_tree_mb_max'], 0)} MB fail {point['failed']} "
+            f"invalid {point['invalid']} (at max_tokens {point['invalid_at_length']})"
             + (f" ({point['first_error']})" if point["failed"] else "")
         )
         if point["failed"] == n:
@@ -395,7 +414,9 @@ class Bench:
             stderr=subprocess.STDOUT,
         )
         time.sleep(1.0)
-        res, duration = run_loop(drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key))
+        res, duration = run_loop(
+            drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key, self.shape)
+        )
         spy.send_signal(signal.SIGINT)
         try:
             spy.wait(timeout=30)
@@ -472,6 +493,10 @@ class Bench:
             passes[target] = passes.get(target, 0) + 1
             if target in ("vllm", "gateway"):
                 self.run_server(target, passes[target])
+            elif target in ("ceiling", "offline") and self.shape in STRUCTURED:
+                self.note(
+                    f"{target} skipped: the no-HTTP bounds send plain requests only, not --shape {self.shape}"
+                )
             elif target in ("ceiling", "offline"):
                 try:
                     self.run_ceiling(target)
@@ -533,6 +558,14 @@ def main() -> int:
         "offline = LLMEngine.step() loop with no HTTP, as LLM.generate (the report takes the faster of the two)",
     )
     ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default="plain",
+        help="plain: free text with ignore_eos; json_schema: response_format json_schema (strict, a 5-field "
+        "object); tools: one function tool, tool_choice required (bench/shapes.py). The structured shapes use "
+        "the profile's structured_concurrencies and structured_output_tokens",
+    )
     ap.add_argument("--concurrencies", help="e.g. 1,4,16 (default: the profile's)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the requests per point")
     ap.add_argument("--prompt-tokens", type=int)

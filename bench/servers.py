@@ -79,9 +79,14 @@ def _shared_flags(spec: EngineSpec, port: int) -> list[str]:
     return flags
 
 
-def vllm_command(spec: EngineSpec, port: int) -> list[str]:
+def vllm_command(spec: EngineSpec, port: int, tool_parser: str | None = None) -> list[str]:
+    """``tool_parser``: vLLM's server (0.32) refuses ``tool_choice: "required"`` unless
+    ``--enable-auto-tool-choice --tool-call-parser`` are set (any parser: under
+    ``required`` it decodes with its own JSON-list grammar)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *_shared_flags(spec, port)]
     cmd += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--enable-lora", "--seed", "0"]
+    if tool_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
     if spec.adapters:
         cmd += ["--lora-modules", *[f"{n}={p}" for n, p in spec.adapters.items()]]
     return cmd

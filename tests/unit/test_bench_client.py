@@ -1,0 +1,212 @@
+"""bench/'s request shapes: the bodies both servers get, how streamed deltas are read, how a
+finished answer is checked, and where the invalid count lands (results and markdown)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bench import report
+from bench.client import Job, RequestResult, chat_body, summarize
+from bench.shapes import RECORD_SCHEMA, answer_valid, delta_parts, shape_fields
+
+GOOD = json.dumps({"name": "a", "age": 3, "city": "b", "email": "c", "active": True})
+
+
+def test_plain_body_keeps_ignore_eos_and_has_no_structure() -> None:
+    body = chat_body(Job("m", "hi"), 16)
+    assert body["ignore_eos"] is True and body["max_tokens"] == 16 and body["stream"] is True
+    assert "response_format" not in body and "tools" not in body
+
+
+def test_json_schema_body_is_strict_with_the_five_field_object_and_no_ignore_eos() -> None:
+    body = chat_body(Job("m", "hi"), 48, "json_schema")
+    assert "ignore_eos" not in body and body["max_tokens"] == 48
+    rf = body["response_format"]
+    assert rf["type"] == "json_schema"
+    assert rf["json_schema"]["strict"] is True and rf["json_schema"]["name"] == "record"
+    schema = rf["json_schema"]["schema"]
+    assert (
+        sorted(schema["properties"])
+        == sorted(schema["required"])
+        == ["active", "age", "city", "email", "name"]
+    )
+    assert schema["additionalProperties"] is False
+
+
+def test_tools_body_requires_one_function_with_the_same_object() -> None:
+    body = chat_body(Job("m", "hi"), 48, "tools")
+    assert "ignore_eos" not in body and body["tool_choice"] == "required"
+    (tool,) = body["tools"]
+    assert tool["type"] == "function" and tool["function"]["parameters"] == RECORD_SCHEMA
+
+
+def test_unknown_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown shape"):
+        shape_fields("xml")
+
+
+@pytest.mark.parametrize(
+    ("delta", "expected"),
+    [
+        ({"role": "assistant", "content": ""}, ("", "", False)),
+        ({"content": '{"na'}, ('{"na', "", True)),
+        ({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "record"}}]}, ("", "", True)),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": '{"age"'}}]}, ("", '{"age"', True)),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": ""}}]}, ("", "", False)),
+        ({"content": None, "tool_calls": None}, ("", "", False)),
+    ],
+)
+def test_delta_parts_reads_content_and_tool_call_arguments(delta: dict[str, Any], expected: tuple) -> None:
+    assert delta_parts(delta) == expected
+
+
+def test_delta_parts_keeps_the_first_tool_calls_arguments_only() -> None:
+    delta = {
+        "tool_calls": [
+            {"index": 0, "function": {"arguments": "{}"}},
+            {"index": 1, "function": {"arguments": "x"}},
+        ]
+    }
+    assert delta_parts(delta)[1] == "{}"
+
+
+def test_answer_valid_checks_the_shapes_own_field() -> None:
+    assert answer_valid("plain", "anything", "") is None
+    assert answer_valid("json_schema", GOOD, "") is True
+    assert answer_valid("json_schema", "", GOOD) is False
+    assert answer_valid("tools", "", GOOD) is True
+    assert answer_valid("tools", GOOD, "") is False
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        GOOD[:-5],
+        "[1, 2]",
+        json.dumps({"name": "a"}),
+        json.dumps({**json.loads(GOOD), "extra": 1}),
+        "not json",
+    ],
+)
+def test_answer_valid_refuses_truncated_non_object_or_wrong_fields(text: str) -> None:
+    assert answer_valid("json_schema", text, "") is False
+
+
+def _res(valid: bool | None, ok: bool = True) -> RequestResult:
+    return RequestResult(ok=ok, start=0.0, end=1.0, ttft=0.1, completion_tokens=10, valid=valid)
+
+
+def test_summarize_counts_invalid_answers_apart_from_failures() -> None:
+    s = summarize([_res(True), _res(False), _res(False), _res(None, ok=False)], 2.0, 16)
+    assert (s["completed"], s["failed"], s["invalid"], s["invalid_at_length"]) == (3, 1, 2, 0)
+    assert s["out_tok_per_s"] == pytest.approx(15.0)  # invalid answers' tokens still count
+
+
+def test_markdown_shows_the_shape_and_an_invalid_column() -> None:
+    point = {
+        "target": "gateway",
+        "mix": "base",
+        "concurrency": 1,
+        **summarize([_res(True), _res(False)], 1.0, 16),
+    }
+    meta = {
+        "date": "d",
+        "machine": "m",
+        "versions": {},
+        "host": "h",
+        "engine": {
+            "model": "x",
+            "served_name": "x",
+            "dtype": "f",
+            "load_format": None,
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1,
+            "max_model_len": 1,
+            "max_loras": 1,
+            "adapters": {},
+        },
+        "adapter_rank": 8,
+        "prompt_tokens": 64,
+        "output_tokens": 48,
+        "requests": {1: 2},
+        "mixes": ["base"],
+        "concurrencies": [1],
+        "client": "c",
+        "shape": "tools",
+    }
+    md = report.markdown({"meta": meta, "points": [point]})
+    assert "- shape: tools (" in md and "no ignore_eos" in md
+    header = next(line for line in md.splitlines() if line.startswith("| target | mix | conc | req/s"))
+    row = next(line for line in md.splitlines() if line.startswith("| gateway | base | 1 |"))
+    assert header.rstrip(" |").endswith("invalid (of which cut at max_tokens)")
+    assert row.split("|")[-3:-1] == [" 0 ", " 1 (0) "]  # fail 0, invalid 1, none cut at max_tokens
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 12}}
+TOOL_STREAM = _sse(
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "record"}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": GOOD[:10]}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": GOOD[10:]}}]}),
+    _chunk({}, "tool_calls"),
+    USAGE,
+)
+CONTENT_STREAM = _sse(
+    _chunk({"role": "assistant", "content": ""}),
+    _chunk({"content": GOOD[:5]}),
+    _chunk({"content": GOOD[5:-3]}),
+    _chunk({}, "length"),
+    USAGE,
+)
+
+
+@pytest.mark.parametrize(
+    ("shape", "stream", "valid", "chunks"),
+    [("tools", TOOL_STREAM, True, 4), ("json_schema", CONTENT_STREAM, False, 3)],
+)
+def test_drive_times_either_delta_kind_and_checks_the_answer(
+    shape: str, stream: bytes, valid: bool, chunks: int
+) -> None:
+    """A canned SSE stream over real HTTP: the role event is not output, a tool call's name
+    and arguments are, and the answer is the joined content or arguments."""
+    from aiohttp import web
+
+    from bench.client import drive, run_loop
+
+    seen: list[dict[str, Any]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.Response(body=stream, content_type="text/event-stream")
+
+    async def go() -> list[RequestResult]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            results, _ = await drive(f"http://127.0.0.1:{port}", [Job("m", "hi")] * 2, 2, 48, None, shape)
+        finally:
+            await runner.cleanup()
+        return results
+
+    results = run_loop(go())
+    assert [r.ok for r in results] == [True, True]
+    assert all(r.valid is valid and r.chunks == chunks and len(r.itl) == chunks - 1 for r in results)
+    assert results[0].completion_tokens == 12
+    assert results[0].finish_reason == ("tool_calls" if shape == "tools" else "length")
+    assert seen[0] == chat_body(Job("m", "hi"), 48, shape)
