@@ -63,7 +63,9 @@ def http(gateway: LiveGateway) -> httpx.Client:
 
 
 def chat(http: httpx.Client, **body: Any) -> httpx.Response:
-    return http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 120, **body})
+    return http.post(
+        "/v1/chat/completions", json={"model": "base", "messages": ASK, "max_tokens": 120, **body}
+    )
 
 
 def content_of(response: httpx.Response) -> list[str]:
@@ -102,7 +104,13 @@ def test_json_schema_with_several_choices(http: httpx.Client) -> None:
 
 
 def test_streamed_json_schema_validates_once_joined(http: httpx.Client) -> None:
-    body = {"messages": ASK, "max_tokens": 120, "stream": True, "response_format": city_format()}
+    body = {
+        "model": "base",
+        "messages": ASK,
+        "max_tokens": 120,
+        "stream": True,
+        "response_format": city_format(),
+    }
     text, finish = "", None
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -141,7 +149,13 @@ CONSTRAINTS = [
 def test_structured_outputs_on_chat_and_completions(http: httpx.Client, constraint: Any, check: Any) -> None:
     (text,) = content_of(chat(http, temperature=0, structured_outputs=constraint))
     assert check(text), text
-    body = {"prompt": "A city: ", "max_tokens": 120, "temperature": 0, "structured_outputs": constraint}
+    body = {
+        "model": "base",
+        "prompt": "A city: ",
+        "max_tokens": 120,
+        "temperature": 0,
+        "structured_outputs": constraint,
+    }
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert check(r.json()["choices"][0]["text"]), r.text
@@ -149,6 +163,7 @@ def test_structured_outputs_on_chat_and_completions(http: httpx.Client, constrai
 
 def test_response_format_on_completions(http: httpx.Client) -> None:
     body = {
+        "model": "base",
         "prompt": "A city as JSON: ",
         "max_tokens": 120,
         "temperature": 0,
@@ -186,7 +201,7 @@ def test_invalid_response_formats_are_400s(http: httpx.Client, fmt: Any, words: 
 )
 def test_invalid_structured_outputs_are_400s(http: httpx.Client, constraint: Any, words: str) -> None:
     assert_bad(chat(http, stream=True, structured_outputs=constraint), "structured_outputs", words)
-    r = http.post("/v1/completions", json={"prompt": "x", "structured_outputs": constraint})
+    r = http.post("/v1/completions", json={"model": "base", "prompt": "x", "structured_outputs": constraint})
     assert_bad(r, "structured_outputs", words)
 
 
