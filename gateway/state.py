@@ -86,6 +86,10 @@ class Gateway:
             self.startup_error = str(exc)
             log.error("startup failed: %s", exc)
             raise
+        except Exception as exc:  # vLLM refusing its arguments, a worker dying while it builds
+            self.startup_error = f"the engine could not start: {type(exc).__name__}: {exc}"
+            log.exception("startup failed")
+            raise GatewayError(self.startup_error) from exc
 
     def build_table(self, ids: LoraIds) -> RoutingTable:
         s = self.settings

@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from unittest.mock import AsyncMock
 
 import pytest
 
@@ -65,6 +66,17 @@ async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_
     ready = await served.http.get("/ready")
     assert (ready.status_code, ready.json()) == (503, {"status": "error"})
     assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("base")), 503)
+
+
+async def test_an_engine_that_fails_to_build_is_an_error_not_starting_forever(serve: Serve) -> None:
+    engine = FakeEngine()
+    engine.start = AsyncMock(side_effect=ValueError("disable_any_whitespace needs a backend"))  # type: ignore[method-assign]
+    served = await serve(engine, wait_ready=False)
+    await eventually_async(lambda: served.gw.startup_error is not None, 5, "the start failed")
+    ready = await served.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"status": "error"})
+    health = (await served.http.get("/health")).json()
+    assert "ValueError: disable_any_whitespace needs a backend" in health["detail"]
 
 
 async def test_engine_death_health_503_requests_503_and_open_streams_get_an_error_event(serve: Serve) -> None:
