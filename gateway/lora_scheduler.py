@@ -11,12 +11,16 @@ it hands the engine work for at most ``slots`` adapters at a time:
   is free, and otherwise waits in its adapter's queue (first in, first out).
 - When an active adapter's last request ends its slot frees, and the waiting adapter
   that ranks first gets it with *all* its queued requests at once, so they share batches.
-- The choice is weighted fair queuing, in two levels. Each request is charged when it
-  arrives (queued or not) to its API key and to its route: each has a virtual finish time
-  that advances by 1 / weight per request, and the request keeps both as its tags. The
-  slot goes to the key whose oldest waiting request has the lowest key tag, and among
-  that key's waiting requests to the adapter of the one with the lowest route tag. Lower
-  ``priority`` (as in vLLM) comes before both.
+- The choice is weighted fair queuing over *turns* (a turn: an adapter gets a slot with
+  its queue), in two levels. Each turn advances its route's virtual time by 1 / weight,
+  and that of each API key with a request in it by 1 / the key's weight; a flow that was
+  idle starts again from the virtual clock (no banked credit). The slot goes to the key
+  with the lowest virtual time among those waiting (the oldest request breaks ties), and
+  among that key's waiting requests to the route with the lowest (again the oldest
+  first). With equal weights and steady demand this is first come, first served over
+  adapters, as vLLM's own choice. Lower ``priority`` (as in vLLM) comes before both.
+  Charging turns rather than requests keeps a busy adapter's large queue from pushing
+  its next turn back: its requests share batches, which is the point.
 - Quantum: an adapter that has held its slot for ``quantum_s`` while others wait (or
   while more adapters are active than there are slots) takes no new requests (they
   queue), so it drains and its slot moves on.
@@ -86,8 +90,7 @@ class Ticket:
 class _Waiter:
     priority: int
     key: str
-    key_tag: float
-    route_tag: float
+    key_weight: float
     arrived: float
     future: asyncio.Future[Ticket]
 
@@ -96,6 +99,7 @@ class _Waiter:
 class _Adapter:
     lora_id: int
     route: str
+    weight: float = 1.0
     inflight: int = 0
     queue: deque[_Waiter] = field(default_factory=deque)
     granted_at: float | None = None  # set while active
@@ -122,10 +126,7 @@ class LoraScheduler:
         self._adapters: dict[int, _Adapter] = {}
         self._active: dict[int, _Adapter] = {}  # in insertion (grant) order
         self._waiting: dict[int, _Adapter] = {}  # adapters with a queue
-        self._route_finish: dict[str, float] = {}
-        self._key_finish: dict[str, float] = {}
-        self._route_clock = 0.0  # virtual times: the tags of the last head served
-        self._key_clock = 0.0
+        self._share = _FairShare()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self.queued = 0
@@ -141,13 +142,13 @@ class LoraScheduler:
         adapter = self._adapters.get(route.lora.lora_id)
         if adapter is None:
             adapter = self._adapters[route.lora.lora_id] = _Adapter(route.lora.lora_id, route.name)
-        route_tag, key_tag = self._charge(route, caller)
-        if self._may_enter(adapter):
+        adapter.weight = route.weight  # a reload may change it
+        if self._may_enter(adapter, caller):
             adapter.inflight += 1
             self._observe_wait(adapter, 0.0)
             return Ticket(self, adapter)
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(caller.priority, caller.name, key_tag, route_tag, self._clock(), future)
+        waiter = _Waiter(caller.priority, caller.name, caller.weight, self._clock(), future)
         adapter.queue.append(waiter)
         self._waiting[adapter.lora_id] = adapter
         self._set_queued(self.queued + 1)
@@ -158,16 +159,7 @@ class LoraScheduler:
             self._cancel(adapter, waiter)
             raise
 
-    def _charge(self, route: Route, caller: Caller) -> tuple[float, float]:
-        """Each request advances its route's and its key's virtual finish time by
-        1 / weight; a flow that was idle restarts from the virtual clock (no banked credit)."""
-        route_tag = max(self._route_finish.get(route.name, 0.0), self._route_clock) + 1.0 / route.weight
-        self._route_finish[route.name] = route_tag
-        key_tag = max(self._key_finish.get(caller.name, 0.0), self._key_clock) + 1.0 / caller.weight
-        self._key_finish[caller.name] = key_tag
-        return route_tag, key_tag
-
-    def _may_enter(self, adapter: _Adapter) -> bool:
+    def _may_enter(self, adapter: _Adapter, caller: Caller) -> bool:
         if adapter.lora_id in self._pinned:
             return True
         if adapter.granted_at is not None:  # active
@@ -179,6 +171,7 @@ class LoraScheduler:
             return True
         if adapter.queue or len(self._active) >= self._capacity():
             return False
+        self._share.charge(adapter, {caller.name: caller.weight})
         self._activate(adapter)
         return True
 
@@ -216,15 +209,14 @@ class LoraScheduler:
             candidates = [a for a in self._waiting.values() if a.granted_at is None]
             if not candidates:
                 return
-            best, head = _choose(candidates)
-            self._route_clock = max(self._route_clock, head.route_tag)
-            self._key_clock = max(self._key_clock, head.key_tag)
+            best = self._share.choose(candidates)
             self._activate(best)
             self._hand_over(best)
 
     def _hand_over(self, adapter: _Adapter) -> None:
         """All of the adapter's queued requests go to the engine together."""
         now = self._clock()
+        self._share.charge(adapter, {w.key: w.key_weight for w in adapter.queue})
         waiters, adapter.queue = adapter.queue, deque()
         del self._waiting[adapter.lora_id]
         self._set_queued(self.queued - len(waiters))
@@ -318,11 +310,45 @@ class LoraScheduler:
         }
 
 
-def _choose(candidates: list[_Adapter]) -> tuple[_Adapter, _Waiter]:
-    """The next adapter: the best priority, then the key whose oldest waiting request has
-    the lowest key tag, then that key's waiting request with the lowest route tag."""
-    first = min((w for a in candidates for w in a.queue), key=lambda w: (w.priority, w.key_tag))
-    return min(
-        ((a, w) for a in candidates for w in a.queue if w.priority == first.priority and w.key == first.key),
-        key=lambda pair: (pair[1].route_tag, pair[1].arrived),
-    )
+class _FairShare:
+    """Virtual times per route and per key, in turns / weight (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, float] = {}
+        self._keys: dict[str, float] = {}
+        self._route_clock = 0.0  # the virtual time of the last flow served, per level
+        self._key_clock = 0.0
+
+    def _route(self, adapter: _Adapter) -> float:
+        return max(self._routes.get(adapter.route, 0.0), self._route_clock)
+
+    def _key(self, key: str) -> float:
+        return max(self._keys.get(key, 0.0), self._key_clock)
+
+    def choose(self, candidates: list[_Adapter]) -> _Adapter:
+        first = min(
+            (w for a in candidates for w in a.queue), key=lambda w: (w.priority, self._key(w.key), w.arrived)
+        )
+        adapter, _ = min(
+            (
+                (a, w)
+                for a in candidates
+                for w in a.queue
+                if w.priority == first.priority and w.key == first.key
+            ),
+            key=lambda pair: (self._route(pair[0]), pair[1].arrived),
+        )
+        return adapter
+
+    def charge(self, adapter: _Adapter, keys: dict[str, float]) -> None:
+        """One turn for the adapter's route and for each of ``keys`` (name -> weight), the
+        keys with a request in it. The clocks move to where the served flows were."""
+        start = self._route(adapter)
+        self._route_clock = start
+        self._routes[adapter.route] = start + 1.0 / adapter.weight
+        if not keys:
+            return
+        starts = {key: self._key(key) for key in keys}
+        self._key_clock = min(starts.values())
+        for key, weight in keys.items():
+            self._keys[key] = starts[key] + 1.0 / weight

@@ -170,7 +170,30 @@ async def test_the_less_served_route_goes_first() -> None:
     await r.release("b1")
     assert r.order[-1] == "x"
     await r.release("x")
-    assert r.order[-1] == "c1"  # C (never served) before A (served three times), though a4 came first
+    assert r.order[-1] == "c1"  # C (no turn yet) before A (had one), though a4 came first
+
+
+async def test_a_turn_costs_the_same_whatever_its_queue() -> None:
+    """Fair share counts turns, not requests: a busy adapter's big queue shares one turn,
+    and does not push its next turn back behind an adapter that had a turn of one."""
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("x", D)
+    for n in range(5):
+        await r.ask(f"a{n}", A)
+    await r.ask("b0", B)
+    await r.release("x")
+    await r.ask("a5", A)  # A is in its turn: goes at once
+    await r.ask("x2", D)
+    await r.release(*(f"a{n}" for n in range(6)))
+    assert r.order[-1] == "b0"
+    await r.ask("a6", A)
+    await r.ask("b1", B)  # B is in its turn: goes at once
+    await r.release("b0", "b1")
+    assert r.order[-1] == "x2"  # D, A and B have had one turn each: the oldest waiting first
+    await r.ask("b2", B)
+    await r.release("x2")
+    assert r.order[-1] == "a6"
 
 
 async def test_route_weights_share_turns_in_proportion() -> None:
@@ -220,7 +243,7 @@ async def test_fair_across_keys_before_routes() -> None:
     await r.release("hold")
     assert r.went() == {"hold", "f0", "f2", "f4"}  # the oldest waiting request's adapter: A
     await r.release("f0", "f2", "f4")
-    assert r.order[-1] == "o"  # flood's B came before o, but flood has had three served
+    assert r.order[-1] == "o"  # flood's B came before o, but flood has had a turn
 
 
 async def test_priority_goes_before_fair_share() -> None:
