@@ -69,6 +69,9 @@ class RouteEntry(BaseModel):
     strict_base_model: bool = False  # a different base_model_name_or_path rejects, not warns
     pinned: bool = False  # kept resident in a GPU slot (vLLM pin_lora)
     preload: bool = False  # warmed with a one-token request at registration
+    # Share of the engine's LoRA slots under contention (``lora_scheduler``): a route of
+    # weight 2 gets twice the turns of one of weight 1.
+    weight: float = Field(1.0, gt=0, le=1000)
     # A default response format (OpenAI's object, a bare JSON schema, or "file:<path>"
     # under the catalog's folder); with ``enforce`` requests cannot ask for another.
     response_format: dict[str, Any] | str | None = None
@@ -110,6 +113,7 @@ class Route:
     preload: bool = False
     response_format: Constraint | None = None
     enforce: bool = False
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,7 @@ def _build_route(
     )
     if entry.adapter is None:
         asked = [k for k in ("strict_base_model", "pinned", "preload") if getattr(entry, k)]
+        asked += ["weight"] if entry.weight != 1.0 else []
         if asked:
             raise ConfigError(f"{', '.join(asked)} need an adapter")
         return Route(kind="preset", **common)
@@ -252,6 +257,7 @@ def _build_route(
         warnings=info.warnings,
         pinned=entry.pinned,
         preload=entry.preload,
+        weight=entry.weight,
         **common,
     )
 

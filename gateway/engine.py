@@ -127,6 +127,7 @@ class EngineManager:
             "enable_prefix_caching": s.enable_prefix_caching,
             "load_format": s.load_format,
             "limit_mm_per_prompt": s.limit_mm_per_prompt or None,
+            "scheduling_policy": s.scheduling_policy if s.scheduling_policy != "fcfs" else None,
         }
         args.update({k: v for k, v in optional.items() if v is not None})
         if s.enable_lora:
@@ -237,13 +238,15 @@ class EngineManager:
         log.debug("structured output backend: %s", params.structured_outputs._backend)
 
     async def generate(
-        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
+        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None, priority: int = 0
     ) -> AsyncIterator[StepOutput]:
-        """Stream one request; ``params`` comes from ``prepare``."""
+        """Stream one request; ``params`` comes from ``prepare``. ``priority`` reaches vLLM
+        only under ``scheduling_policy: priority`` (some versions refuse it otherwise)."""
         engine = self._require()
         lora_request = _lora_request(lora) if lora is not None else None
+        extra = {"priority": priority} if priority and self.settings.scheduling_policy == "priority" else {}
         stream = engine.generate(
-            {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request
+            {"prompt_token_ids": prompt_ids}, params, request_id, lora_request=lora_request, **extra
         )
         k = params.logprobs or 0
         try:

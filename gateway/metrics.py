@@ -139,6 +139,24 @@ class GatewayMetrics:
             buckets=_LATENCY,
             registry=registry,
         )
+        self.adapter_wait = Histogram(
+            "gateway_adapter_wait_seconds",
+            "Time a LoRA request waited in the gateway for its adapter's turn (0: went at once)",
+            ["route"],
+            buckets=(0.0, *_LATENCY),
+            registry=registry,
+        )
+        self.adapter_queued = Gauge(
+            "gateway_adapter_queued_requests",
+            "LoRA requests waiting in the gateway for their adapter's turn",
+            registry=registry,
+        )
+        self.adapter_wait_timeouts = Counter(
+            "gateway_adapter_wait_timeouts",
+            "LoRA requests sent to the engine after limits.max_adapter_wait_s without their turn",
+            ["route"],
+            registry=registry,
+        )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
         self._routes: frozenset[str] = frozenset()
 

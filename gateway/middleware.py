@@ -141,12 +141,15 @@ class HeaderLimitMiddleware:
 
 @dataclass(frozen=True)
 class Principal:
-    """The caller, as far as routes go: its key's name, allowed routes and limits."""
+    """The caller, as far as routes go: its key's name, allowed routes and limits, and its
+    share and priority when LoRA requests queue (``lora_scheduler``)."""
 
     name: str
     routes: frozenset[str] | None
     admin: bool
     max_concurrency: int | None
+    weight: float = 1.0
+    priority: int = 0
 
     def may_use(self, route: str) -> bool:
         return self.routes is None or route in self.routes
@@ -160,7 +163,12 @@ class AuthMiddleware:
             (
                 bytes.fromhex(k.sha256 or ""),
                 Principal(
-                    k.name, frozenset(k.routes) if k.routes is not None else None, k.admin, k.max_concurrency
+                    k.name,
+                    frozenset(k.routes) if k.routes is not None else None,
+                    k.admin,
+                    k.max_concurrency,
+                    k.weight,
+                    k.priority,
                 ),
             )
             for k in keys

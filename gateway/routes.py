@@ -172,12 +172,15 @@ async def _generate(
     is released if the start fails."""
     if request.scope["path"].startswith("/v1/"):
         require_model(model, task)
-    lease = _gateway(request).lease(_principal(request), model, task)
+    principal = _principal(request)
+    lease = _gateway(request).lease(principal, model, task)
     try:
-        return await start(lease)
+        gen = await start(lease)
     except BaseException:
         lease.release()
         raise
+    gen.caller = principal  # its share and priority when LoRA requests queue
+    return gen
 
 
 def _track(
@@ -324,6 +327,7 @@ async def admin_status(request: Request) -> Response:
             "draining": gw.admission.draining,
             "engine_ready": gw.engine.ready,
             "engine_unfinished_requests": gw.engine.unfinished_requests(),
+            "lora_scheduler": gw.scheduler.snapshot() if gw.scheduler is not None else None,
             "gc_frozen_objects": gc.get_freeze_count(),
         }
     )

@@ -4,7 +4,9 @@ The service validates what only it can (prompt length against the context, limit
 builds the prompt with the tokenizer's chat template (or the route's), merges sampling
 values (request > route defaults > gateway defaults), and returns a ``Generation``: an
 async stream of engine steps that releases the route lease and aborts the engine
-request if the consumer stops early. Wire formats are the encoders' business (``sse``).
+request if the consumer stops early. A LoRA request first waits for its adapter's turn
+(``lora_scheduler``) when the gateway orders them. Wire formats are the encoders' business
+(``sse``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from gateway.batch import Echo, echo_steps, merge_steps
 from gateway.catalog import Lease, Route, SamplingDefaults
 from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.lora_scheduler import Caller, LoraScheduler, Ticket
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +74,7 @@ class Generation:
         *,
         more_prompts: Sequence[list[int]] = (),
         echo: list[Echo] | None = None,
+        scheduler: LoraScheduler | None = None,
     ) -> None:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -86,6 +90,8 @@ class Generation:
         self._prompt_ids = prompt_ids
         self._params = params  # the engine's form of ``sampling``
         self.tools: ToolPlan = NO_TOOLS  # chat only: how answers become tool calls
+        self.caller: Caller | None = None  # the API key: its share and priority
+        self._scheduler = scheduler
         # completions only: the prompts after the first, and what to echo per prompt
         self._more_prompts = list(more_prompts)
         self._echo = echo
@@ -98,9 +104,13 @@ class Generation:
         return self.route.lora
 
     async def steps(self) -> AsyncIterator[StepOutput]:
-        finished = False
+        finished = started = False
         last = 0.0
+        ticket: Ticket | None = None
         try:
+            if self._scheduler is not None:
+                ticket = await self._scheduler.turn(self.route, self.caller)
+            started = True
             async for step in self._engine_steps():
                 now = time.monotonic()
                 if self.first_token_at is None:
@@ -114,7 +124,9 @@ class Generation:
                 yield step
         finally:
             self._lease.release()
-            if not finished:
+            if ticket is not None:
+                ticket.release()
+            if started and not finished:
                 # The consumer left early (disconnect, error). Abort in a task of its own:
                 # awaiting here could be cancelled again before the engine hears of it.
                 for request_id in self._request_ids:
@@ -123,13 +135,14 @@ class Generation:
                     task.add_done_callback(_background.discard)
 
     def _engine_steps(self) -> AsyncIterator[StepOutput]:
+        priority = self.caller.priority if self.caller is not None else 0
         if not self._more_prompts and self._echo is None:  # the hot path: one plain stream
-            return self._engine.generate(self._prompt_ids, self._params, self.id, self.lora)
+            return self._engine.generate(self._prompt_ids, self._params, self.id, self.lora, priority)
         streams = []
         for p, (prompt, request_id) in enumerate(
             zip([self._prompt_ids, *self._more_prompts], self._request_ids, strict=True)
         ):
-            stream = self._engine.generate(prompt, self._params, request_id, self.lora)
+            stream = self._engine.generate(prompt, self._params, request_id, self.lora, priority)
             streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
         return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n)
 
@@ -151,9 +164,12 @@ class Generation:
 
 
 class ChatService:
-    def __init__(self, engine: EngineBackend, limits: LimitSettings) -> None:
+    def __init__(
+        self, engine: EngineBackend, limits: LimitSettings, scheduler: LoraScheduler | None = None
+    ) -> None:
         self._engine = engine
         self._limits = limits
+        self._scheduler = scheduler  # None: LoRA requests go straight to the engine
         self._prompts = PromptTokenizer(lambda: engine.tokenizer)
 
     async def chat(
@@ -302,6 +318,7 @@ class ChatService:
             id_prefix,
             more_prompts=more_prompts or (),
             echo=echo,
+            scheduler=self._scheduler if lease.route.lora is not None else None,
         )
 
     def _token_budget(self, prompt_len: int, max_tokens: int | None, lease: Lease, prompt_param: str) -> int:

@@ -55,6 +55,9 @@ class EngineSettings(_Section):
     enable_prefix_caching: bool | None = None
     load_format: str | None = None
     seed: int | None = 0
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vLLM's scheduler; with 'priority' an API key's priority reaches the engine"
+    )
     cpu_kvcache_space_gib: int = Field(2, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM unchanged")
 
@@ -89,6 +92,10 @@ class ApiKey(_Section):
     routes: list[str] | None = Field(None, description="route names this key may use; none = all")
     admin: bool = False
     max_concurrency: int | None = Field(None, ge=1, description="requests at once for this key")
+    weight: float = Field(1.0, gt=0, le=1000, description="share of contended LoRA slots (fair queuing)")
+    priority: int = Field(
+        0, ge=-1000, le=1000, description="lower goes first, as vLLM's priority: LoRA queue, engine"
+    )
 
     @model_validator(mode="after")
     def _hash_plaintext(self) -> ApiKey:
@@ -119,6 +126,16 @@ class LimitSettings(_Section):
     )
     retry_after_s: int = Field(1, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time for in-flight requests")
+    lora_scheduling: Literal["fair", "off"] = Field(
+        "fair",
+        description="order LoRA requests by adapter slot; off: straight to the engine",
+    )
+    lora_quantum_s: float = Field(
+        0.5, gt=0, description="an adapter holding a slot this long while others wait stops taking requests"
+    )
+    max_adapter_wait_s: float = Field(
+        5.0, gt=0, description="a request waiting this long for its adapter's turn goes to the engine anyway"
+    )
 
 
 class ResponsesSettings(_Section):

@@ -1,5 +1,6 @@
 """``Gateway``: the app's state, built once per app and read by every handler as
-``request.app.state.gateway``: settings, engine, catalog, service, admission, metrics.
+``request.app.state.gateway``: settings, engine, catalog, service, admission, metrics,
+the LoRA scheduler.
 
 It also runs what lives as long as the app: the start (engine, then catalog and its
 adapters), the catalog watcher, and the engine supervisor.
@@ -19,6 +20,7 @@ from gateway.adapters_check import ModelShapes, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
+from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import Admission, Principal
 from gateway.service import ChatService
@@ -35,7 +37,6 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, engine: Engine | None = None) -> None:
         self.settings = settings
         self.engine: Engine = engine or EngineManager(settings.engine, settings.cache_dir)
-        self.service = ChatService(self.engine, settings.limits)
         self.catalog: Catalog | None = None
         self.started = time.time()
         self.startup_error: str | None = None
@@ -46,6 +47,8 @@ class Gateway:
             settings.responses.resolved_path(settings.cache_dir), settings.responses.ttl_s
         )
         self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.max_loras)
+        self.scheduler = lora_scheduler(settings, self.adapters.pinned, self.metrics)
+        self.service = ChatService(self.engine, settings.limits, self.scheduler)
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0
         self._model_shapes: ModelShapes | None = None
@@ -115,6 +118,8 @@ class Gateway:
     def close(self) -> None:
         """What outlives the engine: the response store and the adapter copies."""
         self.responses.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.snapshots is not None:
             self.snapshots.close()
 
@@ -151,6 +156,22 @@ class Gateway:
         """The route for this caller. A route the key may not use looks like no route."""
         allowed = principal.may_use if principal is not None else None
         return self.catalog_or_503().acquire(model, task, allowed)
+
+
+def lora_scheduler(
+    settings: GatewaySettings, pinned: set[int], metrics: GatewayMetrics
+) -> LoraScheduler | None:
+    """The order of LoRA requests (``limits.lora_scheduling``); None: straight to the engine."""
+    limits = settings.limits
+    if limits.lora_scheduling == "off" or not settings.engine.enable_lora:
+        return None
+    return LoraScheduler(
+        settings.engine.max_loras,
+        quantum_s=limits.lora_quantum_s,
+        max_wait_s=limits.max_adapter_wait_s,
+        pinned=pinned,
+        metrics=metrics,
+    )
 
 
 def route_names(table: RoutingTable) -> frozenset[str]:

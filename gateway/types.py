@@ -107,8 +107,9 @@ class EngineBackend(Protocol):
         """The engine's own form of ``sampling``, for ``generate``; InvalidRequest if refused."""
 
     def generate(
-        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None
-    ) -> AsyncIterator[StepOutput]: ...
+        self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None, priority: int = 0
+    ) -> AsyncIterator[StepOutput]:
+        """``priority``: lower runs first where the engine schedules by priority; else ignored."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -59,6 +59,7 @@ class FakeEngine:
         self._max_model_len = max_model_len
         self.delay = delay
         self.calls: list[tuple[list[int], SamplingSpec, str, LoraSpec | None]] = []
+        self.priorities: dict[str, int] = {}  # request id -> the priority it was generated with
         self.aborted: list[str] = []
         self._tokenizer = FakeTokenizer()
         self.model_path: str | None = None  # no model directory: adapters' target modules go unchecked
@@ -105,10 +106,16 @@ class FakeEngine:
         return self._tokenizer
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingSpec,
+        request_id: str,
+        lora: LoraSpec | None,
+        priority: int = 0,
     ) -> AsyncIterator[StepOutput]:
         """``sampling`` is what ``prepare`` returned: the spec itself."""
         self.calls.append((prompt_ids, sampling, request_id, lora))
+        self.priorities[request_id] = priority
         self.running += 1
         try:
             if self.gate is not None:

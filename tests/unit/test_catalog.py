@@ -288,3 +288,15 @@ async def test_a_truncated_catalog_keeps_the_last_good_table(tmp_path: Path, roo
     assert catalog.table.resolve("loud").name == "shout"
     path.write_text(CATALOG)
     assert catalog.reload() and catalog.last_error is None
+
+
+def test_a_route_weight_is_carried_and_checked(tmp_path: Path, root: Path) -> None:
+    text = CATALOG.replace("    tasks: [extract]\n", "    tasks: [extract]\n    weight: 2.5\n")
+    text += (
+        "  - {name: heavy-preset, system_prompt: x, weight: 2}\n  - {name: zero, adapter: shout, weight: 0}\n"
+    )
+    table = table_for(tmp_path, root, text)
+    assert table.routes["json"].weight == 2.5
+    assert table.routes["shout"].weight == 1.0
+    assert "weight need an adapter" in table.errors["heavy-preset"]
+    assert "weight" in table.errors["zero"]

@@ -147,7 +147,12 @@ class LogprobEngine(FakeEngine):
     """Each word is one token with a logprob; per prompt, ``prompt_logprobs`` on the first step."""
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingSpec,
+        request_id: str,
+        lora: LoraSpec | None,
+        priority: int = 0,
     ) -> AsyncIterator[StepOutput]:
         self.calls.append((prompt_ids, sampling, request_id, lora))
         words = self.words[: sampling.max_tokens]

@@ -34,9 +34,14 @@ class ReadyEngine(FakeEngine):
 
 class FailingEngine(ReadyEngine):
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingSpec, request_id: str, lora: LoraSpec | None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingSpec,
+        request_id: str,
+        lora: LoraSpec | None,
+        priority: int = 0,
     ) -> AsyncIterator[StepOutput]:
-        async for step in super().generate(prompt_ids, sampling, request_id, lora):
+        async for step in super().generate(prompt_ids, sampling, request_id, lora, priority):
             yield step
             raise RuntimeError("the engine fell over")
 

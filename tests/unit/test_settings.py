@@ -121,3 +121,21 @@ def test_cli_invalid_setting_exits_2_without_traceback(
     assert code == 2
     assert err.startswith("error: engine.max_num_seqs:")
     assert "Traceback" not in err
+
+
+def test_lora_scheduling_knobs(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    s = load_settings({"config": str(empty)})
+    limits = s.limits
+    assert (limits.lora_scheduling, limits.lora_quantum_s, limits.max_adapter_wait_s) == ("fair", 0.5, 5.0)
+    assert s.engine.scheduling_policy == "fcfs"
+    env.setenv("GATEWAY_LIMITS__LORA_SCHEDULING", "off")
+    keys = '[{"name": "ci", "key": "sk-ci-000001", "weight": 2, "priority": -1}]'
+    env.setenv("GATEWAY_AUTH__KEYS", keys)
+    s = load_settings({"config": str(empty), "engine.scheduling_policy": "priority"})
+    assert s.limits.lora_scheduling == "off" and s.engine.scheduling_policy == "priority"
+    assert (s.auth.keys[0].weight, s.auth.keys[0].priority) == (2.0, -1)
+    for bad in ({"limits.lora_scheduling": "fifo"}, {"limits.max_adapter_wait_s": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            load_settings({"config": str(empty), **bad})

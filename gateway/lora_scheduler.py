@@ -1,0 +1,354 @@
+"""Adapter-aware admission: the order in which LoRA requests reach the engine.
+
+vLLM runs at most ``max_loras`` distinct adapters in one batch. Requests whose adapter
+has no slot wait in its queue, and a slot frees only when every running request of an
+adapter has finished; with many adapters in random order a few trickling requests keep
+slots busy while the rest of the batch waits. The gateway sees every request first, so
+it hands the engine work for at most ``slots`` adapters at a time:
+
+- An adapter is *active* while the gateway has requests of it in the engine. A request
+  for an active adapter goes at once; one for an inactive adapter goes at once if a slot
+  is free, and otherwise waits in its adapter's queue (first in, first out).
+- When an active adapter's last request ends its slot frees, and the waiting adapter
+  that ranks first gets it with *all* its queued requests at once, so they share batches.
+- The choice is weighted fair queuing over *turns* (a turn: an adapter gets a slot with
+  its queue), in two levels. Each turn advances its route's virtual time by 1 / weight,
+  and that of each API key with a request in it by 1 / the key's weight; a flow that was
+  idle starts again from the virtual clock (no banked credit). The slot goes to the key
+  with the lowest virtual time among those waiting (the oldest request breaks ties), and
+  among that key's waiting requests to the route with the lowest (again the oldest
+  first). With equal weights and steady demand this is first come, first served over
+  adapters, as vLLM's own choice. Lower ``priority`` (as in vLLM) comes before both.
+  Charging turns rather than requests keeps a busy adapter's large queue from pushing
+  its next turn back: its requests share batches, which is the point.
+- Quantum: an adapter that has held its slot for ``quantum_s`` while others wait (or
+  while more adapters are active than there are slots) takes no new requests (they
+  queue), so it drains and its slot moves on.
+- Bounded wait: an adapter whose oldest queued request has waited ``max_wait_s`` gets
+  its queue sent to the engine anyway, over the slot count; vLLM then schedules it.
+  Correctness never depends on this gate, only the order of work does.
+
+Pinned adapters (``AdapterSlots.pinned``) hold GPU slots for good: their requests never
+wait and they count against ``slots``. Base-model and preset requests never wait.
+Everything here runs on the event loop and costs a few dict operations per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.catalog import Route
+from gateway.metrics import GatewayMetrics
+
+
+class Caller(Protocol):
+    """The API key a request came with (``middleware.Principal`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
+
+    @property
+    def priority(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Anonymous:
+    """The caller when auth is off."""
+
+    name: str = ""
+    weight: float = 1.0
+    priority: int = 0
+
+
+ANONYMOUS = Anonymous()
+
+
+class Ticket:
+    """A request's place in the engine; ``release`` when its stream ends (idempotent)."""
+
+    __slots__ = ("_adapter", "_scheduler")
+
+    def __init__(self, scheduler: LoraScheduler, adapter: _Adapter) -> None:
+        self._scheduler: LoraScheduler | None = scheduler
+        self._adapter = adapter
+
+    def release(self) -> None:
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler._release(self._adapter)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    priority: int
+    key: str
+    key_weight: float
+    arrived: float
+    future: asyncio.Future[Ticket]
+
+
+@dataclass(slots=True)
+class _Adapter:
+    lora_id: int
+    route: str
+    weight: float = 1.0
+    inflight: int = 0
+    queue: deque[_Waiter] = field(default_factory=deque)
+    granted_at: float | None = None  # set while active
+    draining: bool = False
+
+
+class LoraScheduler:
+    def __init__(
+        self,
+        slots: int,
+        *,
+        quantum_s: float,
+        max_wait_s: float,
+        pinned: Collection[int] = frozenset(),
+        metrics: GatewayMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.slots = slots
+        self.quantum_s = quantum_s
+        self.max_wait_s = max_wait_s
+        self._pinned = pinned  # live: AdapterSlots adds and removes
+        self._metrics = metrics
+        self._clock = clock
+        self._adapters: dict[int, _Adapter] = {}
+        self._active: dict[int, _Adapter] = {}  # in insertion (grant) order
+        self._waiting: dict[int, _Adapter] = {}  # adapters with a queue
+        self._share = _FairShare()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self.queued = 0
+        self.forced = 0  # requests sent on after max_wait_s
+
+    # -- per request ------------------------------------------------------------------
+    async def turn(self, route: Route, caller: Caller | None = None) -> Ticket | None:
+        """Wait for ``route``'s adapter to have the engine's attention; None for a route
+        without an adapter (never waits). Release the ticket when the stream ends."""
+        if route.lora is None:
+            return None
+        caller = caller or ANONYMOUS
+        adapter = self._adapters.get(route.lora.lora_id)
+        if adapter is None:
+            adapter = self._adapters[route.lora.lora_id] = _Adapter(route.lora.lora_id, route.name)
+        adapter.weight = route.weight  # a reload may change it
+        if self._may_enter(adapter, caller):
+            adapter.inflight += 1
+            self._observe_wait(adapter, 0.0)
+            return Ticket(self, adapter)
+        future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(caller.priority, caller.name, caller.weight, self._clock(), future)
+        adapter.queue.append(waiter)
+        self._waiting[adapter.lora_id] = adapter
+        self._set_queued(self.queued + 1)
+        self._arm()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            self._cancel(adapter, waiter)
+            raise
+
+    def _may_enter(self, adapter: _Adapter, caller: Caller) -> bool:
+        if adapter.lora_id in self._pinned:
+            return True
+        if adapter.granted_at is not None:  # active
+            if adapter.draining:
+                return False
+            if self._clock() - adapter.granted_at >= self.quantum_s and self._short_of_draining():
+                adapter.draining = True
+                return False
+            return True
+        if adapter.queue or len(self._active) >= self._capacity():
+            return False
+        self._share.charge(adapter, {caller.name: caller.weight})
+        self._activate(adapter)
+        return True
+
+    def _short_of_draining(self) -> bool:
+        """Whether fewer adapters drain than should: one per waiting adapter, plus one per
+        active adapter over the slot count (sent on by a timeout)."""
+        waiting = sum(1 for a in self._waiting.values() if a.granted_at is None)
+        over = len(self._active) - self._capacity()
+        return waiting + max(0, over) > sum(1 for a in self._active.values() if a.draining)
+
+    def _capacity(self) -> int:
+        return max(1, self.slots - len(self._pinned))
+
+    def _activate(self, adapter: _Adapter) -> None:
+        adapter.granted_at = self._clock()
+        adapter.draining = False
+        self._active[adapter.lora_id] = adapter
+
+    # -- slots freeing ----------------------------------------------------------------
+    def _release(self, adapter: _Adapter) -> None:
+        adapter.inflight -= 1
+        if adapter.inflight > 0:
+            return
+        if adapter.granted_at is not None:
+            adapter.granted_at = None
+            adapter.draining = False
+            del self._active[adapter.lora_id]
+        if not adapter.queue and self._adapters.get(adapter.lora_id) is adapter:
+            del self._adapters[adapter.lora_id]
+        self._fill()
+
+    def _fill(self) -> None:
+        """Give free slots to the best-ranked waiting adapters."""
+        while len(self._active) < self._capacity():
+            candidates = [a for a in self._waiting.values() if a.granted_at is None]
+            if not candidates:
+                return
+            best = self._share.choose(candidates)
+            self._activate(best)
+            self._hand_over(best)
+
+    def _hand_over(self, adapter: _Adapter) -> None:
+        """All of the adapter's queued requests go to the engine together."""
+        now = self._clock()
+        self._share.charge(adapter, {w.key: w.key_weight for w in adapter.queue})
+        waiters, adapter.queue = adapter.queue, deque()
+        del self._waiting[adapter.lora_id]
+        self._set_queued(self.queued - len(waiters))
+        for waiter in waiters:
+            if waiter.future.done():  # cancelled; _cancel is on its way
+                continue
+            adapter.inflight += 1
+            self._observe_wait(adapter, now - waiter.arrived)
+            waiter.future.set_result(Ticket(self, adapter))
+        if adapter.inflight == 0 and adapter.granted_at is not None:  # all had left
+            adapter.granted_at = None
+            del self._active[adapter.lora_id]
+
+    def _cancel(self, adapter: _Adapter, waiter: _Waiter) -> None:
+        """The waiting request left (disconnect, error): take it out of the queue, or give
+        back the ticket it was handed as it left."""
+        if waiter.future.done() and not waiter.future.cancelled():
+            waiter.future.result().release()
+            return
+        if waiter in adapter.queue:
+            adapter.queue.remove(waiter)
+            self._set_queued(self.queued - 1)
+            if not adapter.queue:
+                del self._waiting[adapter.lora_id]
+                if adapter.inflight == 0 and adapter.granted_at is None:
+                    self._adapters.pop(adapter.lora_id, None)
+
+    # -- bounded wait -----------------------------------------------------------------
+    def expire(self) -> int:
+        """Send on the queues whose oldest request has waited ``max_wait_s``; returns how
+        many requests went. Runs from a timer; tests call it after moving the clock."""
+        now = self._clock()
+        late = [a for a in self._waiting.values() if now - a.queue[0].arrived >= self.max_wait_s]
+        sent = 0
+        for adapter in late:
+            count = len(adapter.queue)
+            if adapter.granted_at is None:
+                self._activate(adapter)  # over the slot count: vLLM queues it
+            self._hand_over(adapter)
+            sent += count
+            if self._metrics is not None:
+                self._metrics.adapter_wait_timeouts.labels(self._metrics.route_label(adapter.route)).inc(
+                    count
+                )
+        self.forced += sent
+        self._arm()
+        return sent
+
+    def _arm(self) -> None:
+        """One timer, for the earliest deadline among the queue heads."""
+        if not self._waiting:
+            return
+        deadline = min(a.queue[0].arrived for a in self._waiting.values()) + self.max_wait_s
+        if self._timer is not None and not self._timer.cancelled() and self._timer_at <= deadline:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - self._clock()), self._on_timer
+        )
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.expire()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- observation ------------------------------------------------------------------
+    def _observe_wait(self, adapter: _Adapter, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.adapter_wait.labels(self._metrics.route_label(adapter.route)).observe(seconds)
+
+    def _set_queued(self, value: int) -> None:
+        self.queued = value
+        if self._metrics is not None:
+            self._metrics.adapter_queued.set(value)
+
+    def snapshot(self) -> dict[str, object]:
+        """For ``/admin/status``: active adapters, queues, requests sent on by timeout."""
+        return {
+            "slots": self._capacity(),
+            "active": {
+                a.route: {"inflight": a.inflight, "draining": a.draining} for a in self._active.values()
+            },
+            "queued": {a.route: len(a.queue) for a in self._waiting.values()},
+            "forced": self.forced,
+        }
+
+
+class _FairShare:
+    """Virtual times per route and per key, in turns / weight (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, float] = {}
+        self._keys: dict[str, float] = {}
+        self._route_clock = 0.0  # the virtual time of the last flow served, per level
+        self._key_clock = 0.0
+
+    def _route(self, adapter: _Adapter) -> float:
+        return max(self._routes.get(adapter.route, 0.0), self._route_clock)
+
+    def _key(self, key: str) -> float:
+        return max(self._keys.get(key, 0.0), self._key_clock)
+
+    def choose(self, candidates: list[_Adapter]) -> _Adapter:
+        first = min(
+            (w for a in candidates for w in a.queue), key=lambda w: (w.priority, self._key(w.key), w.arrived)
+        )
+        adapter, _ = min(
+            (
+                (a, w)
+                for a in candidates
+                for w in a.queue
+                if w.priority == first.priority and w.key == first.key
+            ),
+            key=lambda pair: (self._route(pair[0]), pair[1].arrived),
+        )
+        return adapter
+
+    def charge(self, adapter: _Adapter, keys: dict[str, float]) -> None:
+        """One turn for the adapter's route and for each of ``keys`` (name -> weight), the
+        keys with a request in it. The clocks move to where the served flows were."""
+        start = self._route(adapter)
+        self._route_clock = start
+        self._routes[adapter.route] = start + 1.0 / adapter.weight
+        if not keys:
+            return
+        starts = {key: self._key(key) for key in keys}
+        self._key_clock = min(starts.values())
+        for key, weight in keys.items():
+            self._keys[key] = starts[key] + 1.0 / weight

@@ -1,0 +1,53 @@
+"""LoRA scheduling on a live engine with one LoRA slot: requests for three adapters at
+once all succeed, each with its own adapter, and the metrics show that some waited."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.helpers import chat_body
+from tests.integration.conftest import LiveGateway, start_gateway, stop_gateway
+
+ROUTES = ("shout", "json", "bullets")
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    gw = start_gateway(tmp_path_factory.mktemp("one-slot"), "--max-loras", "1")
+    yield gw
+    stop_gateway(gw)
+
+
+def test_three_adapters_share_one_slot(one_slot: LiveGateway) -> None:
+    def ask(model: str) -> tuple[str, int, str]:
+        with one_slot.client() as client:
+            r = client.post("/v1/chat/completions", json=chat_body(model, "Name a colour.", max_tokens=16))
+            return model, r.status_code, r.headers.get("x-adapter", "")
+
+    with ThreadPoolExecutor(len(ROUTES) * 3) as pool:
+        answers = list(pool.map(ask, [m for _ in range(3) for m in ROUTES]))
+    assert all(status == 200 for _, status, _ in answers), answers
+    assert all(adapter == model for model, _, adapter in answers), answers
+
+    with one_slot.client() as client:
+        metrics = client.get("/metrics").text
+    counts = {route: _sample(metrics, "gateway_adapter_wait_seconds_count", route) for route in ROUTES}
+    went_at_once = {
+        route: _sample(metrics, "gateway_adapter_wait_seconds_bucket", route, 'le="0.0",') for route in ROUTES
+    }
+    assert counts == {route: 3.0 for route in ROUTES}
+    assert sum(went_at_once.values()) < 9  # with one slot, some requests waited for theirs
+    assert _sample(metrics, "gateway_adapter_queued_requests") == 0.0
+    status = one_slot.status()["lora_scheduler"]
+    assert status["slots"] == 1 and status["active"] == {} and status["queued"] == {}
+
+
+def _sample(metrics: str, name: str, route: str | None = None, labels: str = "") -> float:
+    where = f'{{{labels}route="{route}"}}' if route is not None else ""
+    match = re.search(rf"^{re.escape(name + where)} (\S+)$", metrics, re.MULTILINE)
+    assert match, f"{name}{where} not in /metrics"
+    return float(match.group(1))

@@ -1,0 +1,460 @@
+"""LoraScheduler on its own: which LoRA requests go to the engine, when, and in what order.
+
+Time is a fake clock moved by hand; ``expire()`` is called where the timer would fire, so
+nothing here depends on the wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.catalog import Route
+from gateway.lora_scheduler import LoraScheduler, Ticket
+from gateway.metrics import GatewayMetrics
+from gateway.types import LoraSpec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+
+
+def lora(name: str, lora_id: int, weight: float = 1.0) -> Route:
+    return Route(name=name, kind="lora", lora=LoraSpec(name, lora_id, f"/adapters/{name}"), weight=weight)
+
+
+A, B, C, D = (lora(n, i) for i, n in enumerate("abcd", start=1))
+BASE = Route(name="base", kind="base")
+PRESET = Route(name="concise", kind="preset")
+ME = Key("me")
+
+
+def make(
+    slots: int = 1,
+    quantum_s: float = 10.0,
+    max_wait_s: float = 60.0,
+    *,
+    clock: Callable[[], float] | None = None,
+    pinned: Collection[int] = frozenset(),
+    metrics: GatewayMetrics | None = None,
+) -> LoraScheduler:
+    return LoraScheduler(
+        slots,
+        quantum_s=quantum_s,
+        max_wait_s=max_wait_s,
+        pinned=pinned,
+        metrics=metrics,
+        clock=clock or Clock(),
+    )
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+class Requests:
+    """Turns started as tasks; ``order`` is the order their tickets arrived in."""
+
+    def __init__(self, scheduler: LoraScheduler) -> None:
+        self.scheduler = scheduler
+        self.tasks: dict[str, asyncio.Task[Ticket | None]] = {}
+        self.order: list[str] = []
+
+    async def ask(self, label: str, route: Route, key: Key = ME) -> asyncio.Task[Ticket | None]:
+        async def turn() -> Ticket | None:
+            ticket = await self.scheduler.turn(route, key)
+            self.order.append(label)
+            return ticket
+
+        self.tasks[label] = task = asyncio.create_task(turn())
+        await settle()
+        return task
+
+    def went(self) -> set[str]:
+        return {label for label, task in self.tasks.items() if task.done() and not task.cancelled()}
+
+    async def release(self, *labels: str) -> None:
+        for label in labels:
+            ticket = self.tasks[label].result()
+            assert ticket is not None
+            ticket.release()
+        await settle()
+
+
+async def test_base_and_preset_requests_never_wait() -> None:
+    s = make(slots=1)
+    held = await s.turn(A, ME)
+    assert held is not None
+    assert await s.turn(BASE, ME) is None
+    assert await s.turn(PRESET, ME) is None
+    assert s.queued == 0
+
+
+async def test_free_slots_go_at_once_then_requests_wait_for_a_slot() -> None:
+    s = make(slots=2)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    assert r.went() == {"a1", "b1"} and s.queued == 1
+    await r.release("a1")
+    assert "c1" in r.went() and s.queued == 0
+
+
+async def test_an_active_adapter_goes_ahead_of_queued_ones() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    await r.ask("a2", A)  # A is resident: no wait, though b1 came first
+    assert r.went() == {"a1", "a2"}
+    await r.release("a1")
+    assert "b1" not in r.went()  # A still has a2 in the engine: its slot is not free
+    await r.release("a2")
+    assert "b1" in r.went()
+
+
+async def test_a_queued_adapter_is_handed_over_whole_and_in_order() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    for label in ("b1", "c1", "b2", "b3", "c2"):
+        await r.ask(label, B if label[0] == "b" else C)
+    await r.release("a1")
+    assert r.went() == {"a1", "b1", "b2", "b3"}  # one release: all of B, in arrival order
+    assert r.order == ["a1", "b1", "b2", "b3"]
+    await r.release("b1", "b2")
+    assert "c1" not in r.went()
+    await r.release("b3")
+    assert r.order[-2:] == ["c1", "c2"]
+
+
+async def test_a_later_request_of_a_waiting_adapter_does_not_jump_its_queue() -> None:
+    s = make(slots=2)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    await r.release("a1")  # the free slot goes to C ...
+    await r.ask("c2", C)  # ... and C, now active, takes c2 at once
+    assert r.order == ["a1", "b1", "c1", "c2"]
+
+
+async def test_the_less_served_route_goes_first() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("a2", A)
+    await r.ask("a3", A)  # A has had three requests
+    await r.ask("b1", B)
+    await r.release("a1", "a2", "a3")
+    await r.ask("x", D)  # hold the slot while A and B both wait
+    await r.ask("a4", A)
+    await r.ask("c1", C)
+    assert r.went() == {"a1", "a2", "a3", "b1"}
+    await r.release("b1")
+    assert r.order[-1] == "x"
+    await r.release("x")
+    assert r.order[-1] == "c1"  # C (no turn yet) before A (had one), though a4 came first
+
+
+async def test_a_turn_costs_the_same_whatever_its_queue() -> None:
+    """Fair share counts turns, not requests: a busy adapter's big queue shares one turn,
+    and does not push its next turn back behind an adapter that had a turn of one."""
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("x", D)
+    for n in range(5):
+        await r.ask(f"a{n}", A)
+    await r.ask("b0", B)
+    await r.release("x")
+    await r.ask("a5", A)  # A is in its turn: goes at once
+    await r.ask("x2", D)
+    await r.release(*(f"a{n}" for n in range(6)))
+    assert r.order[-1] == "b0"
+    await r.ask("a6", A)
+    await r.ask("b1", B)  # B is in its turn: goes at once
+    await r.release("b0", "b1")
+    assert r.order[-1] == "x2"  # D, A and B have had one turn each: the oldest waiting first
+    await r.ask("b2", B)
+    await r.release("x2")
+    assert r.order[-1] == "a6"
+
+
+async def test_route_weights_share_turns_in_proportion() -> None:
+    heavy, light = lora("heavy", 7, weight=3.0), lora("light", 8)
+    grants = await _alternating_backlogs(heavy, ME, light, ME, rounds=40)
+    assert grants == {"heavy": 30, "light": 10}
+
+
+async def test_key_weights_share_turns_in_proportion() -> None:
+    big, small = Key("big", weight=2.0), Key("small")
+    grants = await _alternating_backlogs(A, big, B, small, rounds=30)
+    assert grants == {"a": 20, "b": 10}
+
+
+async def _alternating_backlogs(
+    one: Route, one_key: Key, other: Route, other_key: Key, rounds: int
+) -> dict[str, int]:
+    """Both routes always have a request waiting (a quantum of 0 makes the adapter in the
+    slot queue its next request); count whose adapter gets the slot each round."""
+    r = Requests(make(slots=1, quantum_s=0.0))
+    await r.ask("hold", D)
+    await r.ask(f"{one.name}0", one, one_key)
+    await r.ask(f"{other.name}0", other, other_key)
+    grants = {one.name: 0, other.name: 0}
+    current, seen = "hold", 1
+    for n in range(1, rounds + 1):
+        await r.release(current)
+        current = r.order[seen]
+        seen += 1
+        name = next(x for x in grants if current.startswith(x) and current[len(x) :].isdigit())
+        grants[name] += 1
+        route, key = (one, one_key) if name == one.name else (other, other_key)
+        await r.ask(f"{name}{n}", route, key)
+        assert len(r.went()) == seen  # it queued behind the other
+    return grants
+
+
+async def test_fair_across_keys_before_routes() -> None:
+    """A key that floods many routes does not crowd out a key with one request."""
+    s = make(slots=1)
+    r = Requests(s)
+    flood, one = Key("flood"), Key("one")
+    await r.ask("hold", D)
+    for n, route in enumerate((A, B, A, B, A)):
+        await r.ask(f"f{n}", route, flood)
+    await r.ask("o", C, one)
+    await r.release("hold")
+    assert r.went() == {"hold", "f0", "f2", "f4"}  # the oldest waiting request's adapter: A
+    await r.release("f0", "f2", "f4")
+    assert r.order[-1] == "o"  # flood's B came before o, but flood has had a turn
+
+
+async def test_priority_goes_before_fair_share() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B, Key("normal"))
+    await r.ask("c1", C, Key("urgent", priority=-1))
+    await r.release("a1")
+    assert r.went() == {"a1", "c1"}
+
+
+async def test_an_adapter_past_its_quantum_drains_while_others_wait() -> None:
+    clock = Clock()
+    s = make(slots=1, quantum_s=2.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("a2", A)  # within the quantum: goes
+    await r.ask("b1", B)
+    clock.now += 2.0
+    await r.ask("a3", A)  # past it, B waiting: A takes no more and drains
+    assert r.went() == {"a1", "a2"}
+    await r.release("a1", "a2")
+    assert "b1" in r.went() and "a3" not in r.went()
+    await r.release("b1")
+    assert "a3" in r.went()
+
+
+async def test_past_its_quantum_with_nobody_waiting_an_adapter_keeps_its_slot() -> None:
+    clock = Clock()
+    s = make(slots=1, quantum_s=2.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    clock.now += 5.0
+    await r.ask("a2", A)
+    assert r.went() == {"a1", "a2"}
+
+
+async def test_only_as_many_adapters_drain_as_are_waiting() -> None:
+    clock = Clock()
+    s = make(slots=2, quantum_s=1.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    await r.ask("c1", C)  # one adapter waits
+    clock.now += 1.0
+    await r.ask("a2", A)  # A drains for C ...
+    await r.ask("b2", B)  # ... so B need not
+    assert r.went() == {"a1", "b1", "b2"}
+
+
+async def test_a_request_that_waited_max_wait_goes_anyway() -> None:
+    clock = Clock()
+    metrics = GatewayMetrics()
+    metrics.set_routes(frozenset({"a", "b", "c"}))
+    s = make(slots=1, max_wait_s=3.0, clock=clock, metrics=metrics)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    clock.now += 1.0
+    await r.ask("b2", B)
+    await r.ask("c1", C)
+    clock.now += 1.9
+    assert s.expire() == 0 and r.went() == {"a1"}
+    clock.now += 0.1  # b1 has waited 3 s: all of B goes, over the slot count
+    assert s.expire() == 2
+    await settle()
+    assert r.went() == {"a1", "b1", "b2"} and s.forced == 2
+    assert metrics.adapter_wait_timeouts.labels("b")._value.get() == 2
+    await r.release("a1")
+    assert "c1" not in r.went()  # B holds the one slot now
+    await r.release("b1", "b2")
+    assert "c1" in r.went()
+
+
+async def test_the_timer_fires_expire() -> None:
+    s = make(slots=1, max_wait_s=0.01, clock=asyncio.get_running_loop().time)
+    r = Requests(s)
+    await r.ask("a1", A)
+    task = await r.ask("b1", B)
+    await asyncio.wait_for(task, 5)
+    assert s.forced == 1
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    b1 = await r.ask("b1", B)
+    await r.ask("c1", C)
+    b1.cancel()
+    await settle()
+    assert s.queued == 1
+    await r.release("a1")
+    assert "c1" in r.went()  # B has nobody left: its turn is not taken
+
+
+async def test_a_waiter_cancelled_as_it_is_handed_its_ticket_gives_the_slot_back() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    b1 = await r.ask("b1", B)
+    await r.ask("c1", C)
+    r.tasks["a1"].result().release()  # type: ignore[union-attr]
+    b1.cancel()  # the ticket is set, the task has not run yet
+    await settle()
+    assert b1.cancelled()
+    assert "c1" in r.went()  # B's slot was released, not leaked
+
+
+async def test_a_queue_whose_waiters_all_left_does_not_hold_a_slot() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    b1 = await r.ask("b1", B)
+    await r.ask("c1", C)
+    b1.cancel()  # cancelled, but its clean-up has not run when A releases
+    r.tasks["a1"].result().release()  # type: ignore[union-attr]
+    await settle()
+    assert "c1" in r.went()
+
+
+async def test_release_is_idempotent() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("a2", A)
+    await r.ask("b1", B)
+    ticket = r.tasks["a1"].result()
+    assert ticket is not None
+    ticket.release()
+    ticket.release()  # a second release must not free A's slot while a2 runs
+    await settle()
+    assert "b1" not in r.went()
+
+
+async def test_pinned_adapters_never_wait_and_hold_slots() -> None:
+    pinned = {1}
+    s = make(slots=3, pinned=pinned)
+    r = Requests(s)
+    await r.ask("a1", A)  # pinned
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    await r.ask("d1", D)  # 3 slots, one pinned: B and C hold the other two
+    await r.ask("a2", A)
+    assert r.went() == {"a1", "a2", "b1", "c1"}
+    await r.release("a1", "a2")
+    assert "d1" not in r.went()  # a pinned adapter's slot never frees
+    pinned.discard(1)  # unpinned (removed): its slot is free again
+    await r.release("b1")
+    assert "d1" in r.went()
+
+
+async def test_wait_and_queue_metrics() -> None:
+    clock = Clock()
+    metrics = GatewayMetrics()
+    metrics.set_routes(frozenset({"a", "b"}))
+    s = make(slots=1, clock=clock, metrics=metrics)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    assert metrics.adapter_queued._value.get() == 1
+    clock.now += 1.5
+    await r.release("a1")
+    assert metrics.adapter_queued._value.get() == 0
+    text = metrics.render().decode()
+    assert 'gateway_adapter_wait_seconds_sum{route="b"} 1.5' in text
+    assert 'gateway_adapter_wait_seconds_count{route="a"} 1.0' in text
+
+
+async def test_snapshot_names_active_and_queued_adapters() -> None:
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    assert s.snapshot() == {
+        "slots": 1,
+        "active": {"a": {"inflight": 1, "draining": False}},
+        "queued": {"b": 1},
+        "forced": 0,
+    }
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+async def test_many_requests_all_end_and_leave_nothing_behind(slots: int) -> None:
+    s = make(slots=slots)
+    routes = [lora(f"r{i}", i + 10) for i in range(6)]
+
+    async def one(n: int) -> None:
+        ticket = await s.turn(routes[n % 6], Key(f"k{n % 3}"))
+        await asyncio.sleep(0)
+        assert ticket is not None
+        ticket.release()
+
+    await asyncio.wait_for(asyncio.gather(*(one(n) for n in range(60))), 5)
+    assert s.snapshot() == {"slots": slots, "active": {}, "queued": {}, "forced": 0}
+
+
+async def test_over_the_slot_count_after_a_timeout_adapters_drain_back_to_it() -> None:
+    clock = Clock()
+    s = make(slots=1, quantum_s=1.0, max_wait_s=3.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    clock.now += 3.0
+    s.expire()  # B goes over the one slot: two adapters active, nobody waiting
+    await settle()
+    await r.ask("a2", A)  # both past their quantum: one of them must drain
+    await r.ask("b2", B)
+    assert r.went() == {"a1", "b1", "b2"} and s.queued == 1
+    await r.release("b1", "b2")
+    assert "a2" not in r.went()  # A drains first ...
+    await r.release("a1")
+    assert "a2" in r.went()  # ... then gets its turn again

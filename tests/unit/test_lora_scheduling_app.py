@@ -1,0 +1,114 @@
+"""LoRA scheduling through the app: requests wait for their adapter's turn before the
+engine sees them, the key's priority reaches the engine, and the switch turns it off."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from gateway.engine import EngineManager
+from gateway.settings import EngineSettings
+from tests.helpers import eventually_async
+from tests.unit.conftest import ADMIN, USER_KEY, Serve
+from tests.unit.fakes import FakeEngine
+
+
+def body(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+async def test_a_request_waits_for_its_adapters_turn(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
+    shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
+    await eventually_async(lambda: len(served.engine.calls) == 1, 5, "shout in the engine")
+    json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    base = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("fake-model")))
+    await eventually_async(lambda: len(served.engine.calls) == 2, 5, "the base request in the engine")
+    assert served.gw.scheduler is not None and served.gw.scheduler.queued == 1
+    assert [lora.name if lora else None for *_, lora in served.engine.calls] == ["shout", None]
+    status = (await served.http.get("/admin/status", headers=ADMIN)).json()["lora_scheduler"]
+    assert status["active"] == {"shout": {"inflight": 1, "draining": False}}
+    assert status["queued"] == {"json": 1}
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert "gateway_adapter_queued_requests 1.0" in metrics
+    gate.set()
+    answers = await asyncio.gather(shout, json_, base)
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert [lora.name if lora else None for *_, lora in served.engine.calls] == ["shout", None, "json"]
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert 'gateway_adapter_wait_seconds_count{route="json"} 1.0' in metrics
+    assert "gateway_adapter_queued_requests 0.0" in metrics
+
+
+async def test_a_client_that_leaves_while_waiting_leaves_no_slot_behind(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
+    shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
+    await eventually_async(lambda: len(served.engine.calls) == 1, 5, "shout in the engine")
+    json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    scheduler = served.gw.scheduler
+    assert scheduler is not None
+    await eventually_async(lambda: scheduler.queued == 1, 5, "json queued")
+    json_.cancel()  # the client goes away while its request waits
+    await eventually_async(lambda: scheduler.queued == 0, 5, "json left the queue")
+    gate.set()
+    assert (await shout).status_code == 200
+    assert scheduler.snapshot()["active"] == {}
+    assert served.engine.aborted == []  # nothing reached the engine to abort
+    assert (await served.http.post("/v1/chat/completions", json=body("json"))).status_code == 200
+
+
+async def test_switched_off_requests_go_straight_to_the_engine(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1, limits__lora_scheduling="off")
+    assert served.gw.scheduler is None
+    tasks = [
+        asyncio.create_task(served.http.post("/v1/chat/completions", json=body(m))) for m in ("shout", "json")
+    ]
+    await eventually_async(lambda: len(served.engine.calls) == 2, 5, "both in the engine")
+    gate.set()
+    assert [r.status_code for r in await asyncio.gather(*tasks)] == [200, 200]
+
+
+async def test_the_keys_priority_reaches_the_engine(serve: Serve) -> None:
+    keys = [{"name": "user", "key": USER_KEY, "priority": -2, "weight": 3}]
+    served = await serve(auth__keys=keys)
+    assert (await served.http.post("/v1/chat/completions", json=body("shout"))).status_code == 200
+    assert (
+        await served.http.post("/v1/completions", json={"model": "json", "prompt": "x"})
+    ).status_code == 200
+    assert list(served.engine.priorities.values()) == [-2, -2]
+
+
+class _Stream:
+    async def __aiter__(self) -> Any:
+        return
+        yield
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _RecordingEngine:
+    errored = False
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict[str, Any]] = []
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.kwargs.append(kwargs)
+        return _Stream().__aiter__()
+
+
+async def test_priority_goes_to_vllm_only_under_its_priority_policy(tmp_path: Any) -> None:
+    seen = {}
+    for policy in ("fcfs", "priority"):
+        manager = EngineManager(EngineSettings(scheduling_policy=policy), tmp_path)
+        engine = manager._engine = _RecordingEngine()
+        params = SimpleNamespace(logprobs=None, prompt_logprobs=None)
+        async for _ in manager.generate([1], params, "r", None, priority=-1):
+            pass
+        seen[policy] = engine.kwargs[0].get("priority")
+    assert seen == {"fcfs": None, "priority": -1}
