@@ -93,6 +93,8 @@ def parse_response_format(value: Any, param: str = "response_format") -> Constra
             )
         if not isinstance(spec.get("strict"), bool | None):  # not `in (True, False)`: 0 == False
             raise InvalidRequest(f"'{param}.json_schema.strict' must be a boolean", param=param)
+        if not isinstance(spec.get("description"), str | None):
+            raise InvalidRequest(f"'{param}.json_schema.description' must be a string", param=param)
         if "schema" not in spec:
             raise InvalidRequest(f"'{param}.json_schema.schema' is required", param=param)
         return Constraint("json", check_schema(spec["schema"], param))
