@@ -156,6 +156,14 @@ def _obj(required: Iterable[str], **properties: dict[str, Any]) -> dict[str, Any
     return {"type": "object", "required": list(required), "properties": properties}
 
 
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "additionalProperties": False}
+
+
+def _only(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return _closed(_obj((name,), **{name: schema}))
+
+
 def _const(value: str) -> dict[str, Any]:
     return {"type": "string", "const": value}
 
@@ -264,29 +272,32 @@ _RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 # Extra body fields read by ``structured`` (not declared on the models, which keep extras).
-_JSON_SCHEMA_SPEC = _obj(
-    ("name", "schema"),
-    name={"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-    description=_STRING,
-    schema={"type": "object", "description": "a JSON schema of an object"},
-    strict={"type": ["boolean", "null"]},
+_SCHEMA = {"type": "object", "description": "a JSON schema of an object"}
+_JSON_SCHEMA_SPEC = _closed(  # unknown fields are refused (so below)
+    _obj(
+        ("name", "schema"),
+        name={"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        description=_STRING,
+        schema=_SCHEMA,
+        strict={"type": ["boolean", "null"]},
+    )
 )
 _EXTRA_FIELDS: dict[str, dict[str, Any]] = {
     "response_format": {
         "description": "OpenAI's response_format; the output is constrained to it.",
         "oneOf": [
-            _obj(("type",), type={"enum": ["text", "json_object"]}),
-            _obj(("type", "json_schema"), type=_const("json_schema"), json_schema=_JSON_SCHEMA_SPEC),
+            _closed(_obj(("type",), type={"enum": ["text", "json_object"]}, schema=_SCHEMA)),
+            _closed(_obj(("type", "json_schema"), type=_const("json_schema"), json_schema=_JSON_SCHEMA_SPEC)),
         ],
     },
     "structured_outputs": {
         "description": "vLLM's structured outputs: exactly one of json, json_object, regex, choice, grammar.",
         "oneOf": [
-            _obj(("json",), json={"type": ["object", "string"]}),
-            _obj(("json_object",), json_object={"const": True}),
-            _obj(("regex",), regex={"type": "string", "minLength": 1}),
-            _obj(("choice",), choice={"type": "array", "minItems": 1, "items": _STRING}),
-            _obj(("grammar",), grammar={"type": "string", "minLength": 1}),
+            _only("json", {"type": ["object", "string"]}),
+            _only("json_object", {"const": True}),
+            _only("regex", {"type": "string", "minLength": 1}),
+            _only("choice", {"type": "array", "minItems": 1, "items": _STRING}),
+            _only("grammar", {"type": "string", "minLength": 1}),
         ],
     },
 }
