@@ -277,7 +277,7 @@ _JSON_SCHEMA_SPEC = _closed(  # unknown fields are refused (so below)
     _obj(
         ("name", "schema"),
         name={"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-        description=_STRING,
+        description=_NULLABLE_STRING,
         schema=_SCHEMA,
         strict={"type": ["boolean", "null"]},
     )
