@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
+from gateway import openapi
 from gateway.errors import GatewayError
 from gateway.middleware import (
     AccessLogMiddleware,
@@ -48,6 +49,7 @@ def create_app(settings: GatewaySettings, engine: Engine | None = None) -> Starl
         lifespan=_lifespan,
     )
     app.state.gateway = gw
+    app.state.openapi = openapi.render(ROUTES, frozenset(public))  # served by GET /openapi.json
     return app
 
 

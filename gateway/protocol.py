@@ -7,7 +7,7 @@ Per-chunk streaming bytes are built in ``sse``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -173,11 +173,16 @@ class ChatCompletionRequest(SamplingFields):
 
 
 PromptInput = str | list[int]
+TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (vLLM allows 1024)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    # The types say what ``_check_prompts`` checks first (with clearer messages), for the schema.
+    prompt: str | list[Text] | list[TokenId] | list[Annotated[list[TokenId], Field(min_length=1)]] = Field(
+        min_length=1
+    )
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, as vLLM

@@ -194,6 +194,8 @@ def constraint(fmt: TextFormat) -> Constraint | None:
             Draft202012Validator.check_schema(fmt.schema_)
         except SchemaError as exc:
             raise InvalidRequest(f"invalid JSON schema: {exc.message}", param="text.format.schema") from None
+        except RecursionError:
+            raise InvalidRequest("the JSON schema is nested too deeply", param="text.format.schema") from None
         return Constraint("json", fmt.schema_)
     return None
 

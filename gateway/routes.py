@@ -20,6 +20,7 @@ from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import InvalidRequest, ModelNotFound, NotFound
 from gateway.metrics import RequestRecord
 from gateway.middleware import Principal
+from gateway.openapi import openapi_json
 from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.responses import SSEResponse, collect_unless_gone, read_json, route_headers
@@ -132,6 +133,13 @@ async def create_response(request: Request) -> Response:
     if body.store:
         await save(response)
     return JSONResponse(response, headers=route_headers(gen))
+
+
+async def response_by_id(request: Request) -> Response:
+    """GET or DELETE a stored response: one route, so that a 405 there allows both."""
+    if request.method == "DELETE":
+        return await delete_response(request)
+    return await get_response(request)
 
 
 async def get_response(request: Request) -> Response:
@@ -346,8 +354,7 @@ ROUTES = [
     HttpRoute("/v1/completions", completions, methods=["POST"]),
     HttpRoute("/chat", house_chat, methods=["POST"]),
     HttpRoute("/v1/responses", create_response, methods=["POST"]),
-    HttpRoute("/v1/responses/{response_id}", get_response, methods=["GET"]),
-    HttpRoute("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    HttpRoute("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
     HttpRoute("/tokenize", tokenize, methods=["POST"]),
     HttpRoute("/detokenize", detokenize, methods=["POST"]),
     HttpRoute("/v1/models", list_models, methods=["GET"]),
@@ -356,9 +363,11 @@ ROUTES = [
     HttpRoute("/health", health, methods=["GET"]),
     HttpRoute("/ready", ready, methods=["GET"]),
     HttpRoute("/playground", playground, methods=["GET"]),
+    HttpRoute("/openapi.json", openapi_json, methods=["GET"]),
     HttpRoute("/admin/adapters", admin_adapters, methods=["GET"]),
     HttpRoute("/admin/adapters/reload", admin_reload, methods=["POST"]),
     HttpRoute("/admin/status", admin_status, methods=["GET"]),
 ]
-# Paths that need no key (``/metrics`` joins them with ``auth.public_metrics``).
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/playground"})
+# Paths that need no key (``/metrics`` joins them with ``auth.public_metrics``). The
+# playground and the OpenAPI document hold nothing of the deployment (``gateway.openapi``).
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/playground", "/openapi.json"})

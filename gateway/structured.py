@@ -91,8 +91,10 @@ def parse_response_format(value: Any, param: str = "response_format") -> Constra
             raise InvalidRequest(
                 f"'{param}.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'", param=param
             )
-        if spec.get("strict") not in (None, True, False):
+        if not isinstance(spec.get("strict"), bool | None):  # not `in (True, False)`: 0 == False
             raise InvalidRequest(f"'{param}.json_schema.strict' must be a boolean", param=param)
+        if not isinstance(spec.get("description"), str | None):
+            raise InvalidRequest(f"'{param}.json_schema.description' must be a string", param=param)
         if "schema" not in spec:
             raise InvalidRequest(f"'{param}.json_schema.schema' is required", param=param)
         return Constraint("json", check_schema(spec["schema"], param))
@@ -147,13 +149,15 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
         raise InvalidRequest(
             f"invalid JSON schema in '{param}'{f' at {where}' if where else ''}: {exc.message}", param=param
         ) from None
+    except RecursionError:  # the meta-schema check recurses per level of the schema
+        raise InvalidRequest(f"the JSON schema in '{param}' is nested too deeply", param=param) from None
     return schema
 
 
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting (then a 400)
         return False
     return True
 

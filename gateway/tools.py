@@ -170,6 +170,9 @@ def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
             raise InvalidRequest(
                 f"tools[{i}].function.parameters is not a valid JSON schema: {exc.message}", param="tools"
             ) from None
+        except RecursionError:
+            message = f"tools[{i}].function.parameters is nested too deeply"
+            raise InvalidRequest(message, param="tools") from None
         if fn.parameters.get("type", "object") != "object":
             raise InvalidRequest(
                 f"tools[{i}].function.parameters must describe an object (type 'object')", param="tools"
@@ -302,7 +305,7 @@ def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
         return []
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
         return []
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -313,7 +316,7 @@ def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return []
         if not isinstance(args, dict):
             return []
@@ -325,7 +328,7 @@ def parse_required(text: str) -> list[ParsedCall]:
     """The calls of a ``required`` answer (a list under the grammar); [] if it was cut short."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
         return []
     if not isinstance(value, list):
         return []

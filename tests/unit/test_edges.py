@@ -1,5 +1,6 @@
 """Issue 16 edges without an engine: request validation, logprobs shapes, text_offset in
-streams, batched prompts and echo (merged engine streams), the model requirement."""
+streams, batched prompts and echo (merged engine streams), the model requirement, and what
+the work on fuzzing the gateway turned up (schemas nested too deep)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from gateway.service import ChatService, Generation
 from gateway.settings import LimitSettings
 from gateway.sse import OpenAICompletionEncoder, completion_logprobs, encode_stream
 from gateway.tokenize_api import TokenizeRequest
+from gateway.tools import parse_calls, parse_required
 from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
+from tests.helpers import assert_openai_error, chat_body
+from tests.unit.conftest import Serve
 from tests.unit.fakes import FakeEngine
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -292,3 +296,49 @@ async def test_echo_with_max_tokens_0_returns_only_the_prompt() -> None:
     assert [t.token for t in result.choices[0].logprobs or []] == ["<bos>", "h", "i"]
     assert engine.calls[0][1].max_tokens == 1
     assert refused(completion, max_tokens=0) == "max_tokens"
+
+
+# -- found with the fuzzing of /openapi.json (tests/integration/test_fuzz.py) ------------------
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP = _nested_schema(200)  # parses as JSON; the meta-schema check recursed past the limit
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": DEEP}}},
+            "response_format",
+        ),
+        ({"structured_outputs": {"json": DEEP}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}, "tools"),
+    ],
+)
+async def test_absurdly_deep_schemas_are_400s_not_500s(
+    serve: Serve, fields: dict[str, Any], param: str
+) -> None:
+    served = await serve()
+    r = await served.http.post("/v1/chat/completions", json=chat_body("base", **fields))
+    assert assert_openai_error(r, 400)["param"] == param
+
+
+async def test_an_absurdly_deep_text_format_schema_is_a_400(serve: Serve) -> None:
+    served = await serve()
+    fmt = {"type": "json_schema", "name": "a", "schema": DEEP}
+    r = await served.http.post(
+        "/v1/responses", json={"model": "base", "input": "Hi", "text": {"format": fmt}}
+    )
+    assert assert_openai_error(r, 400)["param"] == "text.format.schema"
+
+
+def test_an_answer_nested_absurdly_deep_is_text_not_a_crash() -> None:
+    text = "[" * 5000 + "]" * 5000  # the model wrote it; json.loads raised RecursionError
+    assert parse_calls(text, ("f",)) == (text, [])
+    assert parse_required(text) == []

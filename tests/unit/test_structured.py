@@ -51,6 +51,8 @@ def test_json_object_with_a_schema_beside_it_is_honoured() -> None:
         (_schema_format(SCHEMA) | {"json_schema": {"schema": SCHEMA}}, "name' must be"),
         ({"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}, "name' must be"),
         (_schema_format(SCHEMA, strict="yes"), "strict' must be a boolean"),
+        (_schema_format(SCHEMA, strict=0), "strict' must be a boolean"),  # 0 == False, found by fuzzing
+        (_schema_format(SCHEMA, description={}), "description' must be a string"),  # found by fuzzing
         (_schema_format(SCHEMA, extra=1), "unknown field"),
         (_schema_format({"type": "objekt"}), "invalid JSON schema"),
         (_schema_format({"properties": {"a": {"minLength": -1}}}), "at properties/a/minLength"),

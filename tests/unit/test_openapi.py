@@ -1,0 +1,108 @@
+"""``GET /openapi.json`` (gateway.openapi): every route and method the app serves is an
+operation (a route left out of ``OPERATIONS`` stops the app from being built), the document
+is valid OpenAPI 3.1 and its ``$ref``s all resolve, it is public, and its security follows
+the public paths. tests/integration/test_fuzz.py fuzzes the live gateway with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from openapi_spec_validator import validate
+from starlette.routing import Route
+
+from gateway.openapi import OPERATIONS, build_document
+from gateway.routes import PUBLIC_PATHS, ROUTES
+from tests.helpers import assert_openai_error
+from tests.unit.conftest import Serve
+
+
+def _operations(document: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(method.upper(), path) for path, item in document["paths"].items() for method in item}
+
+
+def _served() -> set[tuple[str, str]]:
+    served = set()
+    for route in ROUTES:
+        assert isinstance(route, Route)
+        path = route.path.replace("{name:path}", "{name}")
+        served |= {(method, path) for method in route.methods or () if method != "HEAD"}
+    return served
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if "$ref" in node else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def test_every_route_and_method_is_an_operation_and_nothing_else() -> None:
+    document = build_document(ROUTES, PUBLIC_PATHS)
+    assert _operations(document) == _served()
+    assert set(OPERATIONS) == _served()  # no description of a route that is gone
+
+
+def test_a_route_without_a_description_stops_the_build() -> None:
+    async def handler() -> None: ...
+
+    with pytest.raises(KeyError, match="GET /v1/new"):
+        build_document([*ROUTES, Route("/v1/new", handler, methods=["GET"])], PUBLIC_PATHS)
+
+
+def test_the_document_is_valid_openapi_and_every_ref_resolves() -> None:
+    document = build_document(ROUTES, PUBLIC_PATHS)
+    validate(document)  # openapi-spec-validator: OpenAPI 3.1, JSON Schema 2020-12
+    assert document["openapi"] == "3.1.0"
+    schemas = document["components"]["schemas"]
+    for ref in _refs(document):
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+
+
+def test_request_bodies_are_the_models_and_errors_are_openai_shaped() -> None:
+    document = build_document(ROUTES, PUBLIC_PATHS)
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"
+    }
+    request = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"messages", "tools", "tool_choice", "response_format", "structured_outputs"} <= set(
+        request["properties"]
+    )
+    assert request["properties"]["n"]["minimum"] == 1  # pydantic's constraints, as the handler applies them
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    error = document["components"]["schemas"]["Error"]["properties"]["error"]
+    assert error["required"] == ["message", "type", "param", "code"]
+    for code in ("400", "401", "404", "429"):
+        assert chat["responses"][code]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+    by_id = document["paths"]["/v1/responses/{response_id}"]
+    assert set(by_id) == {"get", "delete"}
+    assert by_id["get"]["parameters"][0]["in"] == "path"
+
+
+def test_security_is_a_key_except_on_public_paths() -> None:
+    document = build_document(ROUTES, PUBLIC_PATHS)
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            assert (operation["security"] == []) == (path in PUBLIC_PATHS), path
+    public_metrics = build_document(ROUTES, PUBLIC_PATHS | {"/metrics"})
+    assert public_metrics["paths"]["/metrics"]["get"]["security"] == []
+
+
+async def test_served_without_a_key_built_once(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.get("/openapi.json", headers={"Authorization": ""})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == build_document(ROUTES, PUBLIC_PATHS)
+    assert served.app.state.openapi is served.app.state.openapi  # bytes rendered by create_app
+    assert (await served.http.get("/openapi.json")).content == r.content
+
+
+# GET and DELETE were two routes: a 405 there (OPTIONS, found by schemathesis) allowed GET only.
+async def test_a_405_on_a_response_id_allows_both_get_and_delete(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.request("OPTIONS", "/v1/responses/resp_1")
+    assert_openai_error(r, 405)
+    assert set(r.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}
