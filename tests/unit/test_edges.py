@@ -72,6 +72,41 @@ def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("prompt_logprobs", 0),
+        ("use_beam_search", True),
+        ("truncate_prompt_tokens", 4),
+        ("return_token_ids", True),
+        ("continue_final_message", True),
+        ("min_p", 0.1),
+        ("stop_token_ids", [1]),
+        ("chat_template_kwargs", {"x": 1}),
+    ],
+)
+def test_vllm_fields_the_gateway_does_not_implement_are_refused(name: str, value: Any) -> None:
+    assert refused(chat, **{name: value}) == name
+    assert refused(completion, **{name: value}) == name
+
+
+def test_vllm_fields_at_their_defaults_are_accepted() -> None:
+    quiet = {
+        "use_beam_search": False,
+        "prompt_logprobs": None,
+        "stop_token_ids": [],
+        "chat_template_kwargs": {},
+    }
+    assert chat(add_generation_prompt=True, continue_final_message=False, **quiet).n == 1
+    assert completion(**quiet).n == 1
+    assert refused(chat, add_generation_prompt=False) == "add_generation_prompt"
+    assert chat(stream=True, stream_options={"continuous_usage_stats": False}).stream
+    assert (
+        refused(chat, stream=True, stream_options={"continuous_usage_stats": True})
+        == "stream_options.continuous_usage_stats"
+    )
+
+
 @pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"7": 100.5}, {"7": -101}])
 def test_bad_logit_bias_is_refused(bias: dict[str, float]) -> None:
     assert refused(chat, logit_bias=bias) == "logit_bias"
