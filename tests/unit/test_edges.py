@@ -213,6 +213,25 @@ async def test_streamed_text_offset_continues_across_chunks() -> None:
     assert offsets == [[0], [5], [11]]  # "Hello", " world", "!"
 
 
+def test_streamed_logprobs_of_held_back_text_are_sent() -> None:
+    """A token whose text is held back (stop-string candidate) keeps its logprobs in the
+    stream, so the streamed tokens and text_offsets equal the whole response's (vLLM's
+    test_completion_text_offset)."""
+    gen = make_gen()
+    encoder = OpenAICompletionEncoder(gen, False)
+    steps = [
+        [Chunk(0, "", 1, None, [TokenLogprob("ab", -1.0)])],
+        [Chunk(0, "abc", 1, None, [TokenLogprob("c", -1.0)])],
+        [Chunk(0, "!", 1, "stop", [TokenLogprob("!", -1.0)])],
+    ]
+    raw = b"".join(encoder.step(StepOutput(chunks, 2, i == 2)) for i, chunks in enumerate(steps))
+    chunks = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks]
+    assert [lp["tokens"] for lp in logprobs] == [["ab"], ["c"], ["!"]]
+    assert [lp["text_offset"] for lp in logprobs] == [[0], [2], [3]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abc!"
+
+
 # -- batched prompts and echo ------------------------------------------------------------------
 def service(engine: FakeEngine) -> tuple[ChatService, Catalog]:
     table = RoutingTable(base=Route(name="base", kind="base"), routes={}, errors={})
