@@ -38,7 +38,7 @@ class _Request(BaseModel):
             if not _harmless(extra.get(name)):
                 raise ValueError(f"'{name}' is not supported by this gateway")
         for name in VLLM_UNIMPLEMENTED:
-            if not _harmless(extra.get(name)):
+            if not _asks_nothing(extra.get(name)):
                 raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
         if extra.get("add_generation_prompt") is False:  # vLLM's default, true, is what the gateway does
             raise InvalidRequest(
@@ -68,6 +68,12 @@ VLLM_UNIMPLEMENTED = (
     "chat_template_kwargs",
     "documents",
 )
+
+
+def _asks_nothing(value: Any) -> bool:
+    """Absent, null, false or empty: a vLLM field at its default. (0 and 1 ask for
+    something here: ``prompt_logprobs: 0`` is the prompt's own logprobs.)"""
+    return value is None or value is False or (isinstance(value, list | dict) and not value)
 
 
 def _harmless(value: Any) -> bool:
@@ -227,8 +233,11 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompts(cls, prompt: Any) -> Any:
-        # Before pydantic's union, so that a bad prompt is one clear message on "prompt".
-        if isinstance(prompt, str) or not isinstance(prompt, list) or not prompt:
+        # Before pydantic's union, so that a bad prompt is one clear message on "prompt"
+        # (the union's own errors would name a member: "prompt.constrained-str").
+        if not isinstance(prompt, str | list):
+            raise ValueError("prompt must be a string, a list of strings, token ids, or lists of token ids")
+        if isinstance(prompt, str) or not prompt:
             return prompt
         prompts = _as_prompts(prompt)
         if len(prompts) > MAX_PROMPTS:

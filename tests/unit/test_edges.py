@@ -76,6 +76,7 @@ def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
     ("name", "value"),
     [
         ("prompt_logprobs", 0),
+        ("prompt_logprobs", 1),
         ("use_beam_search", True),
         ("truncate_prompt_tokens", 4),
         ("return_token_ids", True),
@@ -88,6 +89,11 @@ def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
 def test_vllm_fields_the_gateway_does_not_implement_are_refused(name: str, value: Any) -> None:
     assert refused(chat, **{name: value}) == name
     assert refused(completion, **{name: value}) == name
+
+
+@pytest.mark.parametrize("prompt", [None, 5, {"text": "Hi"}])
+def test_a_prompt_of_the_wrong_type_names_prompt(prompt: Any) -> None:
+    assert refused(completion, prompt=prompt) == "prompt"
 
 
 def test_vllm_fields_at_their_defaults_are_accepted() -> None:
