@@ -142,10 +142,16 @@ async def test_more_than_one_prompt_logprobs_chat(client: openai.AsyncOpenAI) ->
 @pytest.mark.parametrize("model_name", MODELS)
 async def test_single_chat_session(client: openai.AsyncOpenAI, gateway: LiveGateway, model_name: str) -> None:
     """vLLM chat_completion/test_chat.py::test_single_chat_session (prompt_tokens from our
-    tokenizer instead of vLLM's hard-coded 37)."""
+    tokenizer instead of vLLM's hard-coded 37; ``min_tokens`` 5, so that the small base
+    model, sampled at temperature 1, cannot end its turn before the 5-token limit)."""
     messages: list[Any] = list(SYSTEM_11)
     r = await client.chat.completions.create(
-        model=model_name, messages=messages, max_completion_tokens=5, logprobs=True, top_logprobs=5
+        model=model_name,
+        messages=messages,
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"min_tokens": 5},
     )
     assert r.id is not None and len(r.choices) == 1
     choice = r.choices[0]
