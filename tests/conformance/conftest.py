@@ -53,6 +53,15 @@ def prompt_tokens(gateway: LiveGateway, model: str, **body: Any) -> int:
     return int(r.json()["count"])
 
 
+async def refused(call: Any, param: str | None = None) -> openai.BadRequestError:
+    """``await call`` is a 400 (naming ``param`` when given)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await call
+    if param is not None:
+        assert info.value.param == param, info.value
+    return info.value
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything here is marked ``conformance`` and, since it starts a gateway with a real
     engine, ``integration`` too."""

@@ -11,8 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conformance.conftest import BASE
-from tests.conformance.test_chat import refused
+from tests.conformance.conftest import BASE, refused
 from tests.helpers import eventually
 from tests.integration.conftest import USER_KEY, LiveGateway
 

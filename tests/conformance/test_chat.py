@@ -1,18 +1,16 @@
 """Ported from vLLM's tests/entrypoints/openai/chat_completion/test_chat.py (chat completions
-on the base model and a LoRA adapter). Structured-output cases that assert what a particular
-model answers (``{"result": 2}``, two different names) are not ported; tests/integration/
-test_structured.py covers the shapes on this model."""
+on the base model and a LoRA adapter); its structured-output cases are in
+test_chat_structured.py."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Any
 
 import openai
 import pytest
 
-from tests.conformance.conftest import BASE, MODELS, prompt_tokens
+from tests.conformance.conftest import BASE, MODELS, prompt_tokens, refused
 from tests.integration.conftest import LiveGateway
 
 SYSTEM_11 = [
@@ -25,21 +23,6 @@ HISTORY = [
     {"role": "assistant", "content": "The Los Angeles Dodgers won the World Series in 2020."},
     {"role": "user", "content": "Where was it played?"},
 ]
-CHOICES = ["Python", "Java", "JavaScript", "C++", "C#", "PHP", "TypeScript", "Ruby", "Swift", "Kotlin"]
-IP_REGEX = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
-LANGUAGE = [
-    {"role": "system", "content": "you are a helpful assistant"},
-    {"role": "user", "content": "The best language for type-safe systems programming is "},
-]
-
-
-async def refused(call: Any, param: str | None = None) -> openai.BadRequestError:
-    """``await call`` is a 400 (naming ``param`` when given)."""
-    with pytest.raises(openai.BadRequestError) as info:
-        await call
-    if param is not None:
-        assert info.value.param == param, info.value
-    return info.value
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -247,91 +230,6 @@ async def test_chat_completion_stream_options(client: openai.AsyncOpenAI, model_
         ),
         "min_characters",
     )
-
-
-async def test_structured_outputs_choice_chat(client: openai.AsyncOpenAI) -> None:
-    """vLLM chat_completion/test_chat.py::test_structured_outputs_choice_chat, without its
-    last check (that the model picks another language when told it disagrees: what a
-    model answers, not what the server does)."""
-    messages: list[Any] = list(LANGUAGE)
-    body = {"structured_outputs": {"choice": CHOICES}}
-    r = await client.chat.completions.create(
-        model=BASE, messages=messages, max_completion_tokens=10, temperature=0.7, extra_body=body
-    )
-    first = r.choices[0].message.content
-    assert first in CHOICES
-    messages += [
-        {"role": "assistant", "content": first},
-        {"role": "user", "content": "I disagree, pick another one"},
-    ]
-    r = await client.chat.completions.create(
-        model=BASE, messages=messages, max_completion_tokens=10, temperature=0.7, extra_body=body
-    )
-    assert r.choices[0].message.content in CHOICES
-
-
-async def test_structured_outputs_regex_chat(client: openai.AsyncOpenAI) -> None:
-    """vLLM chat_completion/test_chat.py::test_structured_outputs_regex_chat, without its last
-    check (that the model gives a different address when asked: model behaviour)."""
-    messages: list[Any] = [
-        {"role": "system", "content": "you are a helpful assistant"},
-        {"role": "user", "content": f"Give an example IP address with this regex: {IP_REGEX}"},
-    ]
-    body = {"structured_outputs": {"regex": IP_REGEX}}
-    r = await client.chat.completions.create(
-        model=BASE, messages=messages, max_completion_tokens=20, extra_body=body
-    )
-    ip1 = r.choices[0].message.content
-    assert ip1 is not None and re.fullmatch(IP_REGEX, ip1) is not None
-    messages += [
-        {"role": "assistant", "content": ip1},
-        {"role": "user", "content": "Give me a different one"},
-    ]
-    r = await client.chat.completions.create(
-        model=BASE, messages=messages, max_completion_tokens=20, extra_body=body
-    )
-    ip2 = r.choices[0].message.content
-    assert ip2 is not None and re.fullmatch(IP_REGEX, ip2) is not None
-
-
-async def test_structured_outputs_type_error(client: openai.AsyncOpenAI) -> None:
-    """vLLM chat_completion/test_chat.py::test_structured_outputs_type_error"""
-    await refused(
-        client.chat.completions.create(
-            model=BASE,
-            messages=LANGUAGE,
-            max_completion_tokens=5,
-            extra_body={"structured_outputs": {"regex": {1: "Python", 2: "C++"}}},
-        )
-    )
-
-
-async def test_structured_outputs_choice_chat_logprobs(client: openai.AsyncOpenAI) -> None:
-    """vLLM chat_completion/test_chat.py::test_structured_outputs_choice_chat_logprobs"""
-    r = await client.chat.completions.create(
-        model=BASE,
-        messages=LANGUAGE,
-        max_completion_tokens=10,
-        logprobs=True,
-        top_logprobs=5,
-        extra_body={"structured_outputs": {"choice": CHOICES}},
-    )
-    logprobs = r.choices[0].logprobs
-    assert logprobs is not None and logprobs.content is not None
-    for item in logprobs.content[0].top_logprobs:
-        assert item.logprob >= -9999.0  # OpenAI's floor
-
-
-async def test_response_format_text(client: openai.AsyncOpenAI) -> None:
-    """vLLM chat_completion/test_chat.py::test_response_format_text"""
-    for _ in range(2):
-        r = await client.chat.completions.create(
-            model=BASE,
-            messages=[{"role": "user", "content": "what is 1+1?"}],
-            max_completion_tokens=10,
-            response_format={"type": "text"},
-        )
-        assert r.choices[0].message.content is not None
 
 
 async def test_extra_fields_allowed(client: openai.AsyncOpenAI) -> None:

@@ -11,8 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conformance.conftest import BASE, prompt_tokens
-from tests.conformance.test_chat import refused
+from tests.conformance.conftest import BASE, prompt_tokens, refused
 from tests.integration.conftest import LiveGateway
 
 PAD5 = [0, 0, 0, 0, 0]  # vLLM's token-id prompt; id 0 is <pad> for Gemma as for OPT
