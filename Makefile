@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve check test test-unit test-integration bench clean
+.PHONY: install serve check test test-unit test-integration test-conformance bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
+
+# vLLM's OpenAI-server tests, ported: one live gateway (README: Differences from OpenAI and from vLLM).
+test-conformance: $(STAMP)
+	$(PY) -m pytest tests/conformance
 
 bench: $(STAMP)
 	$(PY) -m bench.run

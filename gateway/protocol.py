@@ -30,26 +30,63 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:
+        extra = self.model_extra or {}
         for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
-            if (self.model_extra or {}).get(name) not in (None, [], "none"):
+            if extra.get(name) not in (None, [], "none"):
                 raise ValueError(f"'{name}' is deprecated and not supported; use 'tools' and 'tool_choice'")
         for name in self._unsupported:
-            value = (self.model_extra or {}).get(name)
-            if not _harmless(value):
+            if not _harmless(extra.get(name)):
                 raise ValueError(f"'{name}' is not supported by this gateway")
+        for name in VLLM_UNIMPLEMENTED:
+            if not _asks_nothing(extra.get(name)):
+                raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
+        if extra.get("add_generation_prompt") is False:  # vLLM's default, true, is what the gateway does
+            raise InvalidRequest(
+                "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
+            )
         return self
+
+
+# vLLM's own request fields that would change the answer (or its shape) and that this
+# gateway does not implement: a 400 naming the field, never silently ignored.
+VLLM_UNIMPLEMENTED = (
+    "prompt_logprobs",
+    "use_beam_search",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "continue_final_message",
+    "min_p",
+    "min_characters",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "bad_words",
+    "allowed_token_ids",
+    "prompt_embeds",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+)
+
+
+def _asks_nothing(value: Any) -> bool:
+    """Absent, null, false or empty: a vLLM field at its default. (0 and 1 ask for
+    something here: ``prompt_logprobs: 0`` is the prompt's own logprobs.)"""
+    return value is None or value is False or (isinstance(value, list | dict) and not value)
 
 
 def _harmless(value: Any) -> bool:
     """A value that asks for nothing: absent, empty, off, "none"/"auto", or best_of 1.
     Compared by type too: ``True == 1`` in Python, and ``echo: true`` is not harmless."""
-    if value is None or value is False or value == [] or value in ("none", "auto"):
+    if value is None or value is False or value in ([], {}, "none", "auto"):
         return True
     return type(value) is int and value == 1
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, refused when true
 
 
 class SamplingFields(_Request):
@@ -89,6 +126,11 @@ class SamplingFields(_Request):
     def _check_sampling(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options can only be set when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequest(
+                "stream_options.continuous_usage_stats is not supported by this gateway",
+                param="stream_options.continuous_usage_stats",
+            )
         if any(not -100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()):
             raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")
         return self
@@ -196,8 +238,11 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompts(cls, prompt: Any) -> Any:
-        # Before pydantic's union, so that a bad prompt is one clear message on "prompt".
-        if isinstance(prompt, str) or not isinstance(prompt, list) or not prompt:
+        # Before pydantic's union, so that a bad prompt is one clear message on "prompt"
+        # (the union's own errors would name a member: "prompt.constrained-str").
+        if not isinstance(prompt, str | list):
+            raise ValueError("prompt must be a string, a list of strings, token ids, or lists of token ids")
+        if isinstance(prompt, str) or not prompt:
             return prompt
         prompts = _as_prompts(prompt)
         if len(prompts) > MAX_PROMPTS:

@@ -233,7 +233,9 @@ class ChatService:
         if isinstance(prompt, list):
             vocab = len(self._engine.tokenizer)
             if max(prompt) >= vocab:
-                raise InvalidRequest(f"token ids must be below the vocabulary size {vocab}", param="prompt")
+                raise InvalidRequest(
+                    f"token id {max(prompt)} is out of vocabulary (ids must be below {vocab})", param="prompt"
+                )
             return [int(t) for t in prompt]
         return await self._tokenize(lambda: prompt, True, size=len(prompt))
 

@@ -111,7 +111,9 @@ class OpenAICompletionEncoder(_OpenAIEncoder):
         return b""
 
     def step(self, step: StepOutput) -> bytes:
-        return b"".join(self._chunk(c) for c in step.chunks if c.text or c.finish_reason)
+        # A token whose text the detokenizer holds back (a possible stop string) still has
+        # logprobs: send them now, or the stream loses tokens and its text_offsets drift.
+        return b"".join(self._chunk(c) for c in step.chunks if c.text or c.finish_reason or c.logprobs)
 
     def _chunk(self, c: Chunk) -> bytes:
         logprobs = b"null"

@@ -76,6 +76,47 @@ def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("prompt_logprobs", 0),
+        ("prompt_logprobs", 1),
+        ("use_beam_search", True),
+        ("truncate_prompt_tokens", 4),
+        ("return_token_ids", True),
+        ("continue_final_message", True),
+        ("min_p", 0.1),
+        ("stop_token_ids", [1]),
+        ("chat_template_kwargs", {"x": 1}),
+    ],
+)
+def test_vllm_fields_the_gateway_does_not_implement_are_refused(name: str, value: Any) -> None:
+    assert refused(chat, **{name: value}) == name
+    assert refused(completion, **{name: value}) == name
+
+
+@pytest.mark.parametrize("prompt", [None, 5, {"text": "Hi"}])
+def test_a_prompt_of_the_wrong_type_names_prompt(prompt: Any) -> None:
+    assert refused(completion, prompt=prompt) == "prompt"
+
+
+def test_vllm_fields_at_their_defaults_are_accepted() -> None:
+    quiet = {
+        "use_beam_search": False,
+        "prompt_logprobs": None,
+        "stop_token_ids": [],
+        "chat_template_kwargs": {},
+    }
+    assert chat(add_generation_prompt=True, continue_final_message=False, **quiet).n == 1
+    assert completion(**quiet).n == 1
+    assert refused(chat, add_generation_prompt=False) == "add_generation_prompt"
+    assert chat(stream=True, stream_options={"continuous_usage_stats": False}).stream
+    assert (
+        refused(chat, stream=True, stream_options={"continuous_usage_stats": True})
+        == "stream_options.continuous_usage_stats"
+    )
+
+
 @pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"7": 100.5}, {"7": -101}])
 def test_bad_logit_bias_is_refused(bias: dict[str, float]) -> None:
     assert refused(chat, logit_bias=bias) == "logit_bias"
@@ -185,6 +226,25 @@ async def test_streamed_text_offset_continues_across_chunks() -> None:
     chunks = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
     offsets = [c["choices"][0]["logprobs"]["text_offset"] for c in chunks]
     assert offsets == [[0], [5], [11]]  # "Hello", " world", "!"
+
+
+def test_streamed_logprobs_of_held_back_text_are_sent() -> None:
+    """A token whose text is held back (stop-string candidate) keeps its logprobs in the
+    stream, so the streamed tokens and text_offsets equal the whole response's (vLLM's
+    test_completion_text_offset)."""
+    gen = make_gen()
+    encoder = OpenAICompletionEncoder(gen, False)
+    steps = [
+        [Chunk(0, "", 1, None, [TokenLogprob("ab", -1.0)])],
+        [Chunk(0, "abc", 1, None, [TokenLogprob("c", -1.0)])],
+        [Chunk(0, "!", 1, "stop", [TokenLogprob("!", -1.0)])],
+    ]
+    raw = b"".join(encoder.step(StepOutput(chunks, 2, i == 2)) for i, chunks in enumerate(steps))
+    chunks = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks]
+    assert [lp["tokens"] for lp in logprobs] == [["ab"], ["c"], ["!"]]
+    assert [lp["text_offset"] for lp in logprobs] == [[0], [2], [3]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abc!"
 
 
 # -- batched prompts and echo ------------------------------------------------------------------
