@@ -143,8 +143,10 @@ class Bench:
         structured = self.shape_of(mix) in STRUCTURED
         return int(self.p["structured_output_tokens" if structured else "output_tokens"])
 
-    def jobs(self, mix: str, n: int, seed: int) -> list[Job]:
-        models = mix_models(mix, n, seed, self.p["served_name"])
+    def jobs(self, mix: str, n: int, seed: int, models_seed: int | None = None) -> list[Job]:
+        """Prompts from ``seed`` (per server and pass: no prefix-cache hits across passes);
+        the adapter sequence from ``models_seed`` (per pass, the same for both servers)."""
+        models = mix_models(mix, n, seed if models_seed is None else models_seed, self.p["served_name"])
         return [Job(m, self.maker.content(seed + i)) for i, m in enumerate(models)]
 
     # -- setup ------------------------------------------------------------------------
@@ -313,7 +315,7 @@ class Bench:
     def point(self, server: Server, target: str, mix: str, c: int, n_pass: int = 1) -> None:
         n = self.p["requests"][c]
         seed = seed_for(self.run_id, pass_label(target, n_pass), mix, c)
-        jobs = self.jobs(mix, n, seed)
+        jobs = self.jobs(mix, n, seed, seed_for(self.run_id, "models", mix, c, n_pass))
         max_tokens = self.max_tokens(mix)
         hist0 = engine_histograms(server.base_url, self.api_key)
         assert server.proc is not None
