@@ -122,6 +122,7 @@ class RequestResult:
     completion_tokens: int = 0
     valid: bool | None = None  # the answer checked against --shape (None: plain, no check)
     finish_reason: str | None = None
+    model: str = ""  # the request's model (per-adapter statistics)
 
 
 @dataclass(slots=True)
@@ -147,7 +148,7 @@ def chat_body(job: Job, max_tokens: int, shape: str = "plain") -> dict[str, Any]
 
 
 async def _one_request(session: Any, url: str, job: Job, max_tokens: int, shape: str) -> RequestResult:
-    res = RequestResult(start=time.perf_counter())
+    res = RequestResult(start=time.perf_counter(), model=job.model)
     last = res.start
     loads = json.loads
     content: list[str] = []

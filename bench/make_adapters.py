@@ -1,12 +1,14 @@
 """Random PEFT LoRA adapters for the benchmark, shaped for a model directory.
 
-    python -m bench.make_adapters --model MODEL_DIR --out ROOT --base-name NAME [--n 4] [--rank 8]
+    python -m bench.make_adapters --model MODEL_DIR --out ROOT --base-name NAME [--n 16] [--rank 8]
 
 Writes ROOT/a0 .. ROOT/a{n-1}, each ``adapter_config.json`` + ``adapter_model.safetensors``
 with keys ``base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight``.
 The weights are N(0, 0.01^2): they change the logits a little and cost what a trained
-adapter of the same rank costs. ``base_model_name_or_path`` is the served base name, so
-the gateway accepts them (it checks the last path component against the served name).
+adapter of the same rank costs. run.py makes 16 (``a0``..``a3`` serve lora4, all of them
+lora16 and lora16z) with ``base_model_name_or_path`` ``random-test-adapter``: the gateway
+judges an adapter by its tensor shapes against the model, and a base name that differs
+from the served one is a warning, not a rejection.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def make_adapters(
-    model_dir: Path, out: Path, base_name: str, n: int = 4, rank: int = 8, dtype: str = "float32"
+    model_dir: Path, out: Path, base_name: str, n: int = 16, rank: int = 8, dtype: str = "float32"
 ) -> list[Path]:
     import torch
     from safetensors.torch import save_file
@@ -72,7 +74,7 @@ def main() -> None:
     p.add_argument("--model", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--base-name", required=True, help="served base model name")
-    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--n", type=int, default=16)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     a = p.parse_args()

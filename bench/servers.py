@@ -42,6 +42,7 @@ class EngineSpec:
     max_lora_rank: int
     load_format: str | None = None
     adapters: dict[str, str] = field(default_factory=dict)  # name -> directory
+    gpu_memory_utilization: float | None = None  # --together: two servers share one GPU
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -58,6 +59,8 @@ class EngineSpec:
         )
         if self.load_format:
             kw["load_format"] = self.load_format
+        if self.gpu_memory_utilization:
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
         return kw
 
 
@@ -76,6 +79,8 @@ def _shared_flags(spec: EngineSpec, port: int) -> list[str]:
     ]  # fmt: skip
     if spec.load_format:
         flags += ["--load-format", spec.load_format]
+    if spec.gpu_memory_utilization:
+        flags += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return flags
 
 
@@ -136,13 +141,34 @@ class Server:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
+        self.t0 = 0.0
 
     def start(self, timeout_s: float) -> None:
-        t0 = time.time()
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        self.t0 = time.time()
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=True
             )
+
+    def wait_log(self, needle: str, timeout_s: float) -> bool:
+        """Wait until the server's log has ``needle`` (or it exits, or is ready); whether it has."""
+        assert self.proc is not None
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and self.proc.poll() is None:
+            if needle in self.log.read_text(errors="replace"):
+                return True
+            if self._ready():
+                return False
+            time.sleep(1.0)
+        return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        t0 = self.t0
         while time.time() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(
