@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -304,6 +305,10 @@ def _sampling_params(s: SamplingSpec) -> Any:
     if s.constraint is not None:
         c = s.constraint
         value: Any = True if c.kind == "json_object" else list(c.value) if c.kind == "choice" else c.value
+        if c.kind == "json":
+            # As JSON text: the request crosses to the engine core as msgpack, which cannot
+            # carry an integer beyond 64 bits (a schema may hold one); vLLM parses either form.
+            value = json.dumps(value)
         kwargs: dict[str, Any] = {c.kind: value}
         extra["structured_outputs"] = StructuredOutputsParams(**kwargs)
     return SamplingParams(
