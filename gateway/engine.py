@@ -205,8 +205,8 @@ class EngineManager:
 
     def _verify(self, params: Any) -> None:
         """The checks vLLM makes when the request is queued (logprobs, logit_bias, stop
-        token ids against the model), made now. Structured outputs are left to the queue:
-        checking them compiles the grammar, and would twice."""
+        token ids against the model), made now. A constrained request is checked by
+        ``_check_structured`` instead, which runs the same check with the grammar backend."""
         verify = getattr(params, "verify", None)
         if verify is None or self._engine is None or params.structured_outputs is not None:
             return
