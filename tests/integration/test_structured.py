@@ -108,6 +108,7 @@ def test_streamed_json_schema_validates_once_joined(http: httpx.Client) -> None:
         "model": "base",
         "messages": ASK,
         "max_tokens": 120,
+        "temperature": 0,
         "stream": True,
         "response_format": city_format(),
     }
