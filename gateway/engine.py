@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,12 @@ from gateway.settings import EngineSettings
 from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+# Constraints the grammar backend has accepted, so a schema that every request of an app
+# repeats is checked once: vLLM checks it again when the request is queued anyway, and the
+# check (a schema converted to a grammar) is front-end CPU that delays every first token.
+_ACCEPTED_MAX = 256
+_ACCEPTED_MAX_CHARS = 64 * 1024
 
 
 class EngineManager:
@@ -44,6 +51,7 @@ class EngineManager:
         self._tokenizer: Any = None
         self._lock = asyncio.Lock()
         self._max_model_len = 0
+        self._accepted: OrderedDict[tuple[Any, ...], None] = OrderedDict()
         self.model_path: str | None = settings.model
         self.served_model_name: str = settings.served_model_name or ""
 
@@ -229,6 +237,10 @@ class EngineManager:
         would later: a schema or grammar it refuses is a 400 before the stream starts.
         Whatever it raises here is about the request's constraint, not the engine."""
         engine = self._require()
+        key = _constraint_key(params.structured_outputs)
+        if key in self._accepted:
+            self._accepted.move_to_end(key)
+            return
         try:
             _verify_structured(engine, params, self._tokenizer)
         except Exception as exc:
@@ -237,6 +249,10 @@ class EngineManager:
                 message = f"{message} ({_one_line(exc.__cause__)})"
             raise InvalidRequest(message[:500], param="response_format") from None
         log.debug("structured output backend: %s", params.structured_outputs._backend)
+        if sum(len(str(part)) for part in key) <= _ACCEPTED_MAX_CHARS:
+            self._accepted[key] = None
+            if len(self._accepted) > _ACCEPTED_MAX:
+                self._accepted.popitem(last=False)
 
     async def generate(
         self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None, priority: int = 0
@@ -350,6 +366,12 @@ def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:
         params.verify(
             config.model_config, config.speculative_config, config.structured_outputs_config, tokenizer
         )
+
+
+def _constraint_key(so: Any) -> tuple[Any, ...]:
+    """What the grammar backend's verdict on ``so`` depends on (the engine is fixed)."""
+    choice = tuple(so.choice) if so.choice is not None else None
+    return (so.json, so.regex, choice, so.grammar, so.json_object, so.structural_tag)
 
 
 def _one_line(exc: BaseException) -> str:

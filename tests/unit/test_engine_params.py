@@ -1,12 +1,19 @@
-"""The conversion of a SamplingSpec to vLLM's SamplingParams (no engine: vLLM's types only)."""
+"""The conversion of a SamplingSpec to vLLM's SamplingParams and its checks (no engine:
+vLLM's types only)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from gateway.engine import _sampling_params
+from gateway.engine import EngineManager, _sampling_params
+from gateway.errors import InvalidRequest
+from gateway.settings import EngineSettings
 from gateway.types import Constraint, SamplingSpec
 
 
@@ -16,3 +23,42 @@ def test_a_schema_with_an_integer_beyond_64_bits_reaches_the_engine_core() -> No
     params = _sampling_params(SamplingSpec(max_tokens=4, constraint=Constraint("json", schema)))
     MsgpackEncoder().encode(params)  # what crosses to the engine core process
     assert json.loads(params.structured_outputs.json) == schema
+
+
+class _Checks:
+    """Stands in for vLLM's structured-output check: counts calls, refuses regexes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, engine: object, params: Any, tokenizer: object) -> None:
+        self.calls += 1
+        if params.structured_outputs.regex is not None:
+            raise ValueError("the backend cannot compile this")
+
+
+@pytest.fixture
+def manager(monkeypatch: pytest.MonkeyPatch) -> tuple[EngineManager, _Checks]:
+    checks = _Checks()
+    monkeypatch.setattr("gateway.engine._verify_structured", checks)
+    engine = EngineManager(EngineSettings(), Path("."))
+    engine._engine = SimpleNamespace(errored=False)
+    return engine, checks
+
+
+def test_an_accepted_constraint_is_checked_once(manager: tuple[EngineManager, _Checks]) -> None:
+    engine, checks = manager
+    for _ in range(3):
+        params = engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("json", {"type": "object"})))
+        assert json.loads(params.structured_outputs.json) == {"type": "object"}
+    assert checks.calls == 1
+    engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("json", {"type": "array"})))
+    assert checks.calls == 2
+
+
+def test_a_refused_constraint_is_refused_every_time(manager: tuple[EngineManager, _Checks]) -> None:
+    engine, checks = manager
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="cannot compile"):
+            engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("regex", "a+")))
+    assert checks.calls == 2

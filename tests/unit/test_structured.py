@@ -10,7 +10,9 @@ import pytest
 
 from gateway.errors import ConfigError, InvalidRequest
 from gateway.structured import (
+    _schema_problem,
     as_response_format,
+    check_schema,
     choose,
     parse_response_format,
     parse_structured_outputs,
@@ -177,3 +179,30 @@ def test_as_response_format() -> None:
     card = as_response_format(Constraint("json", SCHEMA), "my.route")
     spec = {"name": "my_route", "schema": SCHEMA, "strict": True}
     assert card == {"type": "json_schema", "json_schema": spec}
+
+
+def test_a_schema_is_checked_against_the_meta_schema_once() -> None:
+    schema = {"type": "object", "properties": {"once": {"type": "string"}}}
+    before = _schema_problem.cache_info()
+    for _ in range(3):
+        assert request_constraint({"response_format": _schema_format(schema)})[0] == Constraint(
+            "json", schema
+        )
+    after = _schema_problem.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+
+
+@pytest.mark.parametrize("repeat", [1, 2])  # a cached verdict says the same
+def test_bad_and_deep_schemas_are_refused_every_time(repeat: int) -> None:
+    for schema, words in [
+        ({"properties": {"a": {"minLength": -1}}}, "at properties/a/minLength"),
+        ({"type": "object", "properties": {"x" * 70_000: {}}, "minProperties": -1}, "minProperties"),
+    ]:
+        for _ in range(repeat):
+            with pytest.raises(InvalidRequest, match=words):
+                check_schema(schema, "response_format")
+    deep: dict[str, Any] = {}
+    for _ in range(5000):
+        deep = {"not": deep}
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        check_schema(deep, "response_format")
