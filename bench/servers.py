@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.tools import TOOL_TEMPLATE_PATH
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -87,11 +89,15 @@ def _shared_flags(spec: EngineSpec, port: int) -> list[str]:
 def vllm_command(spec: EngineSpec, port: int, tool_parser: str | None = None) -> list[str]:
     """``tool_parser``: vLLM's server (0.32) refuses ``tool_choice: "required"`` unless
     ``--enable-auto-tool-choice --tool-call-parser`` are set (any parser: under
-    ``required`` it decodes with its own JSON-list grammar)."""
+    ``required`` it decodes with its own JSON-list grammar). With one, vLLM's server also
+    gets the gateway's tool-aware template: Gemma's own drops the tools, so without it
+    vLLM's prompts would be shorter than the gateway's (the template renders messages
+    without tools exactly as Gemma's does)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *_shared_flags(spec, port)]
     cmd += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--enable-lora", "--seed", "0"]
     if tool_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
+        cmd += ["--chat-template", str(TOOL_TEMPLATE_PATH)]
     if spec.adapters:
         cmd += ["--lora-modules", *[f"{n}={p}" for n, p in spec.adapters.items()]]
     return cmd
