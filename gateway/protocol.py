@@ -57,10 +57,7 @@ VLLM_UNIMPLEMENTED = (
     "return_token_ids",
     "return_tokens_as_token_ids",
     "continue_final_message",
-    "min_p",
     "min_characters",
-    "stop_token_ids",
-    "include_stop_str_in_output",
     "bad_words",
     "allowed_token_ids",
     "prompt_embeds",
@@ -106,6 +103,11 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # vLLM's: drop tokens below min_p x the top token's probability; stop on these ids;
+    # keep the stop string that ended the answer in its text.
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    include_stop_str_in_output: bool = False
     user: str | None = Field(None, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -298,6 +298,8 @@ class ChatService:
         vocab = len(self._engine.tokenizer)
         if any(token >= vocab for token in request.logit_bias or {}):
             raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+        if any(not 0 <= token < vocab for token in request.stop_token_ids or ()):
+            raise InvalidRequest(f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
         longest = max([prompt_ids, *(more_prompts or ())], key=len)
         max_tokens = self._token_budget(
             len(longest), max_tokens, lease, "messages" if id_prefix == "chatcmpl" else "prompt"
@@ -377,6 +379,9 @@ def _sampling(
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
         min_tokens=min(request.min_tokens, max_tokens),
+        min_p=request.min_p or 0.0,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
         constraint=constraint,
     )

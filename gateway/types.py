@@ -41,6 +41,9 @@ class SamplingSpec:
     logprobs: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     prompt_logprobs: int | None = None  # top-k per prompt token (completions ``echo``)

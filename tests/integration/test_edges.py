@@ -161,6 +161,28 @@ def test_logit_bias_plus_100_forces_the_token(http: httpx.Client) -> None:
     assert chat.json()["choices"][0]["message"]["content"] == " banana" * 3
 
 
+# -- vLLM's sampling extensions ---------------------------------------------------------------
+def test_stop_token_ids_and_include_stop_str_in_output(http: httpx.Client) -> None:
+    banana = token_id(http, " banana")
+    body = completion_body("base", "The capital of France is", max_tokens=4, temperature=0)
+    body["logit_bias"] = {str(banana): 100}  # the answer is " banana" x 4 unless something stops it
+    stopped = http.post("/v1/completions", json={**body, "stop_token_ids": [banana]}).json()
+    assert (stopped["choices"][0]["finish_reason"], stopped["usage"]["completion_tokens"]) == ("stop", 1)
+    cut = http.post("/v1/completions", json={**body, "stop": [" banana"]}).json()["choices"][0]
+    kept = http.post(
+        "/v1/completions", json={**body, "stop": [" banana"], "include_stop_str_in_output": True}
+    ).json()["choices"][0]
+    assert (cut["text"], kept["text"]) == ("", " banana")
+
+
+def test_min_p_1_keeps_only_the_top_token(http: httpx.Client) -> None:
+    body = completion_body("base", "Once upon a time", max_tokens=8, seed=3)
+    greedy = http.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    sampled = http.post("/v1/completions", json={**body, "temperature": 1.0}).json()["choices"][0]["text"]
+    top_only = http.post("/v1/completions", json={**body, "temperature": 1.0, "min_p": 1.0}).json()
+    assert top_only["choices"][0]["text"] == greedy != sampled
+
+
 # -- echo and batched prompts -------------------------------------------------------------------
 def test_echo_returns_the_prompt_and_its_logprobs(http: httpx.Client) -> None:
     prompt = "The capital of France is"

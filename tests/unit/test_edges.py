@@ -85,8 +85,6 @@ def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
         ("truncate_prompt_tokens", 4),
         ("return_token_ids", True),
         ("continue_final_message", True),
-        ("min_p", 0.1),
-        ("stop_token_ids", [1]),
         ("chat_template_kwargs", {"x": 1}),
     ],
 )
@@ -343,6 +341,21 @@ async def test_logit_bias_beyond_the_vocabulary_is_refused() -> None:
     gen = await svc.complete(completion(logit_bias={"65": 5}), catalog.acquire("base"))
     assert gen.sampling.logit_bias == ((65, 5.0),)
     gen.close()
+
+
+async def test_vllm_sampling_extensions_reach_the_engine() -> None:
+    svc, catalog = service(FakeEngine())
+    fields = {"min_p": 0.2, "stop_token_ids": [65, 66], "include_stop_str_in_output": True}
+    gen = await svc.complete(completion(**fields), catalog.acquire("base"))
+    assert (gen.sampling.min_p, gen.sampling.stop_token_ids) == (0.2, (65, 66))
+    assert gen.sampling.include_stop_str_in_output
+    gen.close()
+    for bad in ([0x110000], [-1]):
+        with pytest.raises(InvalidRequest) as info:
+            await svc.chat(chat(stop_token_ids=bad), catalog.acquire("base"))
+        assert info.value.param == "stop_token_ids"
+    assert refused(chat, min_p=1.5) == "min_p"
+    assert refused(completion, stop_token_ids=list(range(65))) == "stop_token_ids"
 
 
 async def test_echo_with_max_tokens_0_returns_only_the_prompt() -> None:

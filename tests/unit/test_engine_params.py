@@ -62,3 +62,10 @@ def test_a_refused_constraint_is_refused_every_time(manager: tuple[EngineManager
         with pytest.raises(InvalidRequest, match="cannot compile"):
             engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("regex", "a+")))
     assert checks.calls == 2
+
+
+def test_vllm_sampling_extensions_become_sampling_params() -> None:
+    spec = SamplingSpec(max_tokens=4, min_p=0.2, stop_token_ids=(5, 6), include_stop_str_in_output=True)
+    params = _sampling_params(spec)
+    assert (params.min_p, params.stop_token_ids, params.include_stop_str_in_output) == (0.2, [5, 6], True)
+    assert _sampling_params(SamplingSpec(max_tokens=4)).stop_token_ids == []
