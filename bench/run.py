@@ -314,7 +314,9 @@ class Bench:
 
     def point(self, server: Server, target: str, mix: str, c: int, n_pass: int = 1) -> None:
         n = self.p["requests"][c]
-        seed = seed_for(self.run_id, pass_label(target, n_pass), mix, c)
+        # The same prompts for every target in the same pass: like for like (and no prefix
+        # cache hits between one server's passes, which get other prompts).
+        seed = seed_for(self.run_id, "pass", n_pass, mix, c)
         jobs = self.jobs(mix, n, seed, seed_for(self.run_id, "models", mix, c, n_pass))
         max_tokens = self.max_tokens(mix)
         hist0 = engine_histograms(server.base_url, self.api_key)

@@ -7,7 +7,9 @@ streaming chat completion, how its streamed deltas are read, and how its answer 
 
 Under a grammar ``ignore_eos`` makes little sense (once the object closes only EOS is
 allowed), so the structured shapes drop it and keep max_tokens; throughput still counts
-``usage.completion_tokens``. Their answer (the content, or the tool call's arguments) is
+``usage.completion_tokens``. They decode greedily: the answers' lengths then depend on the
+prompt only, and both servers get the same prompts in the same pass, so they do the same
+work (sampled answers of random length made the two sides' token counts differ). Their answer (the content, or the tool call's arguments) is
 parsed as JSON when the request ends; one that does not parse (or lacks a field) counts as ``invalid`` (a
 truncated object included), not as a failed request.
 """
@@ -40,10 +42,11 @@ def shape_fields(shape: str) -> dict[str, Any]:
         return {"ignore_eos": True}
     if shape == "json_schema":
         return {
+            "temperature": 0.0,
             "response_format": {
                 "type": "json_schema",
                 "json_schema": {"name": "record", "strict": True, "schema": RECORD_SCHEMA},
-            }
+            },
         }
     if shape == "tools":
         return {
@@ -58,6 +61,7 @@ def shape_fields(shape: str) -> dict[str, Any]:
                 }
             ],
             "tool_choice": "required",
+            "temperature": 0.0,
         }
     raise ValueError(f"unknown shape {shape!r} (one of {', '.join(SHAPES)})")
 
