@@ -10,8 +10,10 @@ Streaming, per choice:
   generated piece of the arguments is an ``arguments`` fragment.
 - ``required``: the names are inside the generated JSON list (``[{"name": ..., "arguments":
   {...}}, ...]``): each call's head goes out as soon as its name is complete, then its
-  arguments as fragments (``RequiredCallScanner``). An answer cut short before any name is
-  sent as content.
+  arguments as fragments (``RequiredCallScanner``). With one function offered, the first
+  call's name is known before the first token (the grammar allows no other), so its head
+  goes out at once, as for ``named``. An answer cut short before any name is sent as
+  content, unless its head went out: then the call stays, with the arguments so far.
 - ``auto``: an answer whose first non-blank character cannot open a call (``tools.CALL_OPENERS``)
   streams as content at once; one that can is buffered and parsed when the choice ends.
 
@@ -132,6 +134,7 @@ class _ChoiceState:
     streaming_text: bool = False  # auto: known to be plain text, streamed as it comes
     call_id: str = ""
     scanner: RequiredCallScanner = field(default_factory=RequiredCallScanner)
+    announced: bool = False  # the first call's head went out before its name was generated
 
 
 class ToolChatEncoder(OpenAIChatEncoder):
@@ -160,13 +163,18 @@ class ToolChatEncoder(OpenAIChatEncoder):
         )
 
     def start(self) -> bytes:
+        plan = self._plan
+        known = plan.named if plan.mode == "named" else None
+        if plan.mode == "required" and len(plan.tools) == 1:
+            known = plan.tools[0].name
         out = []
         for i, state in self._states.items():
             out.append(self._event(i, {"role": "assistant", "content": None}))
-            if self._plan.mode == "named":
+            if known is not None:
                 head = {"index": 0, "id": state.call_id, "type": "function"}
-                head["function"] = {"name": self._plan.named, "arguments": ""}
+                head["function"] = {"name": known, "arguments": ""}
                 out.append(self._event(i, {"tool_calls": [head]}))
+                state.announced = plan.mode == "required"
         return b"".join(out)
 
     def step(self, step: StepOutput) -> bytes:
@@ -198,6 +206,8 @@ class ToolChatEncoder(OpenAIChatEncoder):
         out = []
         for kind, value in scanner.feed(c.text):
             k = scanner.calls - 1
+            if kind == "name" and k == 0 and state.announced:
+                continue  # its head went out at the start
             if kind == "name":
                 head = {"index": k, "id": state.call_id if k == 0 else call_id(), "type": "function"}
                 head["function"] = {"name": value, "arguments": ""}
@@ -207,7 +217,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
                     self._event(c.index, {"tool_calls": [{"index": k, "function": {"arguments": value}}]})
                 )
         if c.finish_reason is not None:
-            if scanner.calls == 0:  # nothing went out as a call (cut short): the text as content
+            if scanner.calls == 0 and not state.announced:  # cut short before any call: the text
                 return b"".join(out) + self._calls_events(c.index, scanner.text, logprobs, c.finish_reason)
             finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             out.append(self._event(c.index, {}, logprobs, finish))

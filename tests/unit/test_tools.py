@@ -310,7 +310,7 @@ def make_gen(words: list[str], n: int = 1, **kw: Any) -> Any:
     gen = Generation(
         FakeEngine(words=words), Catalog(lambda ids: table).acquire(None), [1, 2], spec, spec, "chatcmpl"
     )
-    gen.tools = plan_tools(request(tools=[WEATHER, ADD], **kw))
+    gen.tools = plan_tools(request(**{"tools": [WEATHER, ADD], **kw}))
     return gen
 
 
@@ -381,6 +381,24 @@ async def test_required_stream_sends_each_name_then_its_argument_fragments() -> 
         "city": "X"
     }
     assert calls[0]["id"] != calls[1]["id"]
+
+
+async def test_required_with_one_function_sends_its_head_before_any_token() -> None:
+    words = ['[{"name": "a', 'dd", "arguments": {"a"', ": 1}}, ", '{"name": "add", "arguments": {}}]']
+    chunks = await stream_chunks(make_gen(words, tools=[ADD], tool_choice="required"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    (head,) = deltas[1]["tool_calls"]  # the engine has produced nothing yet
+    assert head["index"] == 0 and head["function"] == {"name": "add", "arguments": ""}
+    heads = [d for delta in deltas for d in delta.get("tool_calls") or () if "name" in d.get("function", {})]
+    assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "add"), (1, "add")]  # no repeat
+    msg = assemble(chunks)[0]
+    assert msg["finish_reason"] == "tool_calls" and msg["content"] is None
+    assert [json.loads(c["arguments"]) for c in msg["tool_calls"].values()] == [{"a": 1}, {}]
+    cut = make_gen(['[{"name": "ad'], tools=[ADD], tool_choice="required", max_tokens=1)
+    msg = assemble(await stream_chunks(cut))[0]  # cut before the name: the call announced stays
+    assert msg["finish_reason"] == "length" and msg["content"] is None
+    assert msg["tool_calls"][0]["name"] == "add" and msg["tool_calls"][0]["arguments"] == ""
 
 
 def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
