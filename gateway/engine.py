@@ -3,7 +3,8 @@
 ``EngineManager`` owns one ``AsyncLLM`` per process (a second creation is refused), its
 tokenizer and its LoRA slots. It speaks gateway types (``gateway.types``) so the service
 never sees a vLLM object, and it translates vLLM's exceptions by type into gateway errors
-at this boundary.
+at this boundary. What vLLM would refuse only once a request is queued is checked before
+its stream starts (``engine_checks``, which works on the vLLM objects it is handed).
 
 vllm is imported inside functions: importing this module is cheap and works without
 vllm installed (unit tests use a fake engine behind the ``Engine`` protocol). The calls
@@ -21,22 +22,16 @@ import inspect
 import json
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.engine_checks import RequestChecks
 from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest
 from gateway.settings import EngineSettings
 from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
-
-# Constraints the grammar backend has accepted, so a schema that every request of an app
-# repeats is checked once: vLLM checks it again when the request is queued anyway, and the
-# check (a schema converted to a grammar) is front-end CPU that delays every first token.
-_ACCEPTED_MAX = 256
-_ACCEPTED_MAX_CHARS = 64 * 1024
 
 
 class EngineManager:
@@ -51,7 +46,7 @@ class EngineManager:
         self._tokenizer: Any = None
         self._lock = asyncio.Lock()
         self._max_model_len = 0
-        self._accepted: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        self._checks = RequestChecks()
         self.model_path: str | None = settings.model
         self.served_model_name: str = settings.served_model_name or ""
 
@@ -195,34 +190,23 @@ class EngineManager:
 
     # -- generation -------------------------------------------------------------------
     def prepare(self, sampling: SamplingSpec) -> Any:
-        """vLLM's SamplingParams, built (and so checked) before a stream starts: what vLLM
-        would refuse is an InvalidRequest now, not an error event after the 200."""
+        """vLLM's SamplingParams, built and checked (``engine_checks``) before a stream
+        starts: what vLLM would refuse is an InvalidRequest now, not an error event after
+        the 200."""
         vocab = self._vocab_size()
         if vocab and any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
             raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
         try:
             params = _sampling_params(sampling)
-            self._verify(params)
+            if self._engine is not None:
+                self._checks.verify(self._engine, params, self._tokenizer)
         except GatewayError:
             raise
         except Exception as exc:
             raise _translate(exc) from None
         if sampling.constraint is not None:
-            self._check_structured(params)
+            self._checks.structured(self._require(), params, self._tokenizer)
         return params
-
-    def _verify(self, params: Any) -> None:
-        """The checks vLLM makes when the request is queued (logprobs, logit_bias, stop
-        token ids against the model), made now. A constrained request is checked by
-        ``_check_structured`` instead, which runs the same check with the grammar backend."""
-        verify = getattr(params, "verify", None)
-        if verify is None or self._engine is None or params.structured_outputs is not None:
-            return
-        cfg = self._engine.vllm_config
-        try:
-            verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._tokenizer)
-        except TypeError:  # another vLLM's signature: it checks when the request is queued
-            log.debug("SamplingParams.verify has another signature; skipped")
 
     def _vocab_size(self) -> int:
         """The model's vocabulary (vLLM checks logit_bias against it only once the request
@@ -231,28 +215,6 @@ class EngineManager:
             return int(self._engine.vllm_config.model_config.get_vocab_size())
         except AttributeError:
             return 0
-
-    def _check_structured(self, params: Any) -> None:
-        """Have the engine's grammar backend take the constraint now, as ``add_request``
-        would later: a schema or grammar it refuses is a 400 before the stream starts.
-        Whatever it raises here is about the request's constraint, not the engine."""
-        engine = self._require()
-        key = _constraint_key(params.structured_outputs)
-        if key in self._accepted:
-            self._accepted.move_to_end(key)
-            return
-        try:
-            _verify_structured(engine, params, self._tokenizer)
-        except Exception as exc:
-            message = _one_line(exc)
-            if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
-                message = f"{message} ({_one_line(exc.__cause__)})"
-            raise InvalidRequest(message[:500], param="response_format") from None
-        log.debug("structured output backend: %s", params.structured_outputs._backend)
-        if sum(len(str(part)) for part in key) <= _ACCEPTED_MAX_CHARS:
-            self._accepted[key] = None
-            if len(self._accepted) > _ACCEPTED_MAX:
-                self._accepted.popitem(last=False)
 
     async def generate(
         self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None, priority: int = 0
@@ -348,37 +310,6 @@ def _sampling_params(s: SamplingSpec) -> Any:
         output_kind=RequestOutputKind.DELTA,
         **extra,
     )
-
-
-def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:
-    """vLLM's own check of a structured-output request, which also picks the backend
-    (``auto``: xgrammar, falling back to guidance for what xgrammar cannot compile).
-    Its arguments changed across versions (0.32 added ``model_config``), so they are
-    passed by name; ``verify`` (which also runs the other checks) is the fallback."""
-    config = engine.vllm_config
-    known = {
-        "model_config": config.model_config,
-        "structured_outputs_config": config.structured_outputs_config,
-        "tokenizer": tokenizer,
-    }
-    check = getattr(params, "_validate_structured_outputs", None)
-    if check is not None:
-        wanted = inspect.signature(check).parameters
-        check(**{name: value for name, value in known.items() if name in wanted})
-    else:
-        params.verify(
-            config.model_config, config.speculative_config, config.structured_outputs_config, tokenizer
-        )
-
-
-def _constraint_key(so: Any) -> tuple[Any, ...]:
-    """What the grammar backend's verdict on ``so`` depends on (the engine is fixed)."""
-    choice = tuple(so.choice) if so.choice is not None else None
-    return (so.json, so.regex, choice, so.grammar, so.json_object, so.structural_tag)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def _lora_request(lora: LoraSpec) -> Any:

@@ -40,7 +40,7 @@ class _Checks:
 @pytest.fixture
 def manager(monkeypatch: pytest.MonkeyPatch) -> tuple[EngineManager, _Checks]:
     checks = _Checks()
-    monkeypatch.setattr("gateway.engine._verify_structured", checks)
+    monkeypatch.setattr("gateway.engine_checks._verify_structured", checks)
     engine = EngineManager(EngineSettings(), Path("."))
     engine._engine = SimpleNamespace(errored=False)
     return engine, checks

@@ -1,0 +1,96 @@
+"""Checks of a request against the engine, made before its stream starts.
+
+vLLM checks a request's sampling parameters (logprobs, logit_bias, stop token ids against
+the model) and its structured-output constraint (against the grammar backend) only when
+the request is queued, after a stream's 200 has gone out. ``RequestChecks`` runs the same
+checks first, through vLLM's own methods on the objects ``gateway.engine`` hands it (no
+vllm import here), so what vLLM would refuse is a 400 instead of an error event.
+
+A constraint the backend has accepted is remembered (bounded), so a schema that every
+request of an app repeats is converted once: vLLM checks each request again when it is
+queued anyway, and the conversion is front-end CPU that delays every first token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from gateway.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+_ACCEPTED_MAX = 256
+_ACCEPTED_MAX_CHARS = 64 * 1024
+
+
+class RequestChecks:
+    def __init__(self) -> None:
+        self._accepted: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+
+    def verify(self, engine: Any, params: Any, tokenizer: Any) -> None:
+        """vLLM's checks of an unconstrained request. Raises what vLLM raises (the engine
+        translates it); a constrained request goes to ``structured`` instead, which runs
+        the same checks with the grammar backend."""
+        verify = getattr(params, "verify", None)
+        if verify is None or params.structured_outputs is not None:
+            return
+        cfg = engine.vllm_config
+        try:
+            verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, tokenizer)
+        except TypeError:  # another vLLM's signature: it checks when the request is queued
+            log.debug("SamplingParams.verify has another signature; skipped")
+
+    def structured(self, engine: Any, params: Any, tokenizer: Any) -> None:
+        """Have the grammar backend take the constraint now, as ``add_request`` would
+        later: one it refuses is an InvalidRequest (``param`` response_format; the service
+        names the field it came from). Whatever it raises here is about the constraint."""
+        key = _constraint_key(params.structured_outputs)
+        if key in self._accepted:
+            self._accepted.move_to_end(key)
+            return
+        try:
+            _verify_structured(engine, params, tokenizer)
+        except Exception as exc:
+            message = _one_line(exc)
+            if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
+                message = f"{message} ({_one_line(exc.__cause__)})"
+            raise InvalidRequest(message[:500], param="response_format") from None
+        log.debug("structured output backend: %s", params.structured_outputs._backend)
+        if sum(len(str(part)) for part in key) <= _ACCEPTED_MAX_CHARS:
+            self._accepted[key] = None
+            if len(self._accepted) > _ACCEPTED_MAX:
+                self._accepted.popitem(last=False)
+
+
+def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:
+    """vLLM's own check of a structured-output request, which also picks the backend
+    (``auto``: xgrammar, falling back to guidance for what xgrammar cannot compile).
+    Its arguments changed across versions (0.32 added ``model_config``), so they are
+    passed by name; ``verify`` (which also runs the other checks) is the fallback."""
+    config = engine.vllm_config
+    known = {
+        "model_config": config.model_config,
+        "structured_outputs_config": config.structured_outputs_config,
+        "tokenizer": tokenizer,
+    }
+    check = getattr(params, "_validate_structured_outputs", None)
+    if check is not None:
+        wanted = inspect.signature(check).parameters
+        check(**{name: value for name, value in known.items() if name in wanted})
+    else:
+        params.verify(
+            config.model_config, config.speculative_config, config.structured_outputs_config, tokenizer
+        )
+
+
+def _constraint_key(so: Any) -> tuple[Any, ...]:
+    """What the grammar backend's verdict on ``so`` depends on (the engine is fixed)."""
+    choice = tuple(so.choice) if so.choice is not None else None
+    return (so.json, so.regex, choice, so.grammar, so.json_object, so.structural_tag)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
