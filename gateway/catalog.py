@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from gateway.adapters_check import (
     ModelShapes,
@@ -32,6 +32,7 @@ from gateway.adapters_check import (
     one_line,
     safe_adapter_path,
 )
+from gateway.catalog_file import CatalogFile, RouteEntry, SamplingDefaults, ToolParser
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
 from gateway.snapshots import SnapshotDir
 from gateway.structured import route_constraint
@@ -40,58 +41,6 @@ from gateway.types import Constraint, LoraSpec
 log = logging.getLogger(__name__)
 
 RouteKind = Literal["base", "lora", "preset"]
-# How ``tool_choice: auto`` answers become tool calls (``gateway.tools``): ``json`` reads the
-# JSON calls that configs/templates/gemma-tools.jinja asks for; ``none`` keeps them as text.
-ToolParser = Literal["json", "none"]
-
-
-# -- catalog file schema ---------------------------------------------------------------
-class SamplingDefaults(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
-
-
-class RouteEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-    adapter: str | None = None
-    aliases: list[str] = Field(default_factory=list)
-    tasks: list[str] = Field(default_factory=list)
-    system_prompt: str | None = None
-    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
-    chat_template: str | None = None
-    tool_parser: ToolParser = "json"
-    strict_base_model: bool = False  # a different base_model_name_or_path rejects, not warns
-    pinned: bool = False  # kept resident in a GPU slot (vLLM pin_lora)
-    preload: bool = False  # warmed with a one-token request at registration
-    # Share of the engine's LoRA slots under contention (``lora_scheduler``): a route of
-    # weight 2 gets twice the turns of one of weight 1.
-    weight: float = Field(1.0, gt=0, le=1000)
-    # A default response format (OpenAI's object, a bare JSON schema, or "file:<path>"
-    # under the catalog's folder); with ``enforce`` requests cannot ask for another.
-    response_format: dict[str, Any] | str | None = None
-    enforce: bool = False
-
-
-class BaseEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    aliases: list[str] = Field(default_factory=list)
-    tasks: list[str] = Field(default_factory=list)
-    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
-    tool_parser: ToolParser = "json"
-
-
-class CatalogFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    base: BaseEntry = Field(default_factory=BaseEntry)
-    routes: list[dict[str, Any]] = Field(default_factory=list)
 
 
 # -- the routing table -----------------------------------------------------------------

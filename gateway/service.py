@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.batch import Echo, echo_steps, merge_steps
-from gateway.catalog import Lease, Route, SamplingDefaults
+from gateway.catalog import Lease, Route
+from gateway.catalog_file import SamplingDefaults
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.lora_scheduler import Caller, LoraScheduler, Ticket
 from gateway.protocol import (

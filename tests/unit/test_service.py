@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.catalog import Catalog, Route, RoutingTable, SamplingDefaults
+from gateway.catalog import Catalog, Route, RoutingTable
+from gateway.catalog_file import SamplingDefaults
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
 from gateway.service import ChatService
