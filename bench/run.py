@@ -536,7 +536,10 @@ def main() -> int:
     ap.add_argument("--out", help="results folder (default: bench/results/<date>-<machine>)")
     ap.add_argument("--run-id", help="seeds the prompts (default: the start time)")
     ap.add_argument(
-        "--budget-s", type=float, default=0, help="skip points that would start after this many seconds"
+        "--budget-s",
+        type=float,
+        default=0,
+        help="skip points that would start after this many seconds from run.py's start (server starts included)",
     )
     ap.add_argument(
         "--ceiling-concurrencies",
