@@ -31,14 +31,21 @@ class CountingTokenizer(FakeTokenizer):
 
 async def hold_the_thread(tok: PromptTokenizer) -> tuple[asyncio.Future[list[int]], threading.Event]:
     """A first job ("first") that keeps the thread busy until the returned gate is set."""
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
 
     def first() -> str:
+        entered.set()
         gate.wait(5)
         return "first"
 
     head = asyncio.ensure_future(tok.encode(first, False))
-    await asyncio.sleep(0.05)  # the thread has taken the first job and waits in it
+    # Until the thread has taken the first job and waits in it (a fixed sleep was not always
+    # long enough on a busy machine: the others then joined the first job's batch).
+    for _ in range(1000):
+        if entered.is_set():
+            break
+        await asyncio.sleep(0.005)
+    assert entered.is_set(), "the tokenizing thread never took the first job"
     return head, gate
 
 
