@@ -134,7 +134,6 @@ class _ChoiceState:
     streaming_text: bool = False  # auto: known to be plain text, streamed as it comes
     call_id: str = ""
     scanner: RequiredCallScanner = field(default_factory=RequiredCallScanner)
-    announced: bool = False  # the first call's head went out before its name was generated
 
 
 class ToolChatEncoder(OpenAIChatEncoder):
@@ -145,6 +144,13 @@ class ToolChatEncoder(OpenAIChatEncoder):
         self._plan = gen.tools
         self._parser = gen.route.tool_parser
         self._states = {i: _ChoiceState(call_id=call_id()) for i in range(gen.sampling.n)}
+        # The first call's name when it is known before any token: a named function, or the
+        # only one offered under ``required`` (the grammar allows no other).
+        plan = self._plan
+        self._first_name = plan.named if plan.mode == "named" else None
+        if plan.mode == "required" and len(plan.tools) == 1:
+            self._first_name = plan.tools[0].name
+        self._announced = plan.mode == "required" and self._first_name is not None
 
     def _event(
         self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
@@ -163,18 +169,13 @@ class ToolChatEncoder(OpenAIChatEncoder):
         )
 
     def start(self) -> bytes:
-        plan = self._plan
-        known = plan.named if plan.mode == "named" else None
-        if plan.mode == "required" and len(plan.tools) == 1:
-            known = plan.tools[0].name
         out = []
         for i, state in self._states.items():
             out.append(self._event(i, {"role": "assistant", "content": None}))
-            if known is not None:
+            if self._first_name is not None:
                 head = {"index": 0, "id": state.call_id, "type": "function"}
-                head["function"] = {"name": known, "arguments": ""}
+                head["function"] = {"name": self._first_name, "arguments": ""}
                 out.append(self._event(i, {"tool_calls": [head]}))
-                state.announced = plan.mode == "required"
         return b"".join(out)
 
     def step(self, step: StepOutput) -> bytes:
@@ -206,7 +207,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
         out = []
         for kind, value in scanner.feed(c.text):
             k = scanner.calls - 1
-            if kind == "name" and k == 0 and state.announced:
+            if kind == "name" and k == 0 and self._announced:
                 continue  # its head went out at the start
             if kind == "name":
                 head = {"index": k, "id": state.call_id if k == 0 else call_id(), "type": "function"}
@@ -217,7 +218,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
                     self._event(c.index, {"tool_calls": [{"index": k, "function": {"arguments": value}}]})
                 )
         if c.finish_reason is not None:
-            if scanner.calls == 0 and not state.announced:  # cut short before any call: the text
+            if scanner.calls == 0 and not self._announced:  # cut short before any call: the text
                 return b"".join(out) + self._calls_events(c.index, scanner.text, logprobs, c.finish_reason)
             finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             out.append(self._event(c.index, {}, logprobs, finish))
