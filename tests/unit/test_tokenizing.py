@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.tokenizing import PromptTokenizer
+from tests.helpers import eventually_async
 from tests.unit.fakes import FakeTokenizer
 
 
@@ -41,11 +42,7 @@ async def hold_the_thread(tok: PromptTokenizer) -> tuple[asyncio.Future[list[int
     head = asyncio.ensure_future(tok.encode(first, False))
     # Until the thread has taken the first job and waits in it (a fixed sleep was not always
     # long enough on a busy machine: the others then joined the first job's batch).
-    for _ in range(1000):
-        if entered.is_set():
-            break
-        await asyncio.sleep(0.005)
-    assert entered.is_set(), "the tokenizing thread never took the first job"
+    await eventually_async(entered.is_set, 5, "the tokenizing thread taking the first job", interval=0.005)
     return head, gate
 
 
