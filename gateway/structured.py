@@ -144,9 +144,8 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise InvalidRequest(f"the JSON schema in '{param}' must be an object", param=param)
     try:
-        text = json.dumps(schema, sort_keys=True)
-        problem = _schema_problem(text) if len(text) <= _CACHED_SCHEMA_CHARS else _meta_check(schema)
-    except RecursionError:  # dumping and checking recurse per level of the schema
+        problem = schema_problem(schema)
+    except RecursionError:
         raise InvalidRequest(f"the JSON schema in '{param}' is nested too deeply", param=param) from None
     if problem is not None:
         where, message = problem
@@ -156,14 +155,20 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
     return schema
 
 
+def schema_problem(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """Where and why its meta-schema refuses ``schema``; None if it accepts it. Cached by
+    the schema's text: an app sends the same schema (or tools) with every request, and the
+    meta-schema check costs more front-end CPU (about 1 ms for a 5-field object) than the
+    rest of the request's preparation. RecursionError for absurdly deep nesting."""
+    text = json.dumps(schema, sort_keys=True)
+    return _cached_problem(text) if len(text) <= _CACHED_SCHEMA_CHARS else _meta_check(schema)
+
+
 _CACHED_SCHEMA_CHARS = 64 * 1024
 
 
 @functools.lru_cache(maxsize=256)
-def _schema_problem(text: str) -> tuple[str, str] | None:
-    """``_meta_check`` of the schema ``text``, cached: an app sends the same schema with
-    every request, and the meta-schema check costs more front-end CPU (about 1 ms for a
-    5-field object) than the rest of the request's preparation."""
+def _cached_problem(text: str) -> tuple[str, str] | None:
     return _meta_check(json.loads(text))
 
 

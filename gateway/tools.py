@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from gateway.errors import InvalidRequest
+from gateway.structured import schema_problem
 from gateway.types import Constraint
 
 if TYPE_CHECKING:
@@ -154,9 +155,6 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
 
 
 def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
     seen: set[str] = set()
     for i, fn in enumerate(tools):
         if fn.name in seen:
@@ -165,14 +163,14 @@ def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
         if fn.parameters is None:
             continue
         try:
-            Draft202012Validator.check_schema(fn.parameters)
-        except SchemaError as exc:
-            raise InvalidRequest(
-                f"tools[{i}].function.parameters is not a valid JSON schema: {exc.message}", param="tools"
-            ) from None
+            problem = schema_problem(fn.parameters)
         except RecursionError:
             message = f"tools[{i}].function.parameters is nested too deeply"
             raise InvalidRequest(message, param="tools") from None
+        if problem is not None:
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters is not a valid JSON schema: {problem[1]}", param="tools"
+            )
         if fn.parameters.get("type", "object") != "object":
             raise InvalidRequest(
                 f"tools[{i}].function.parameters must describe an object (type 'object')", param="tools"

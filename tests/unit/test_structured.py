@@ -10,7 +10,7 @@ import pytest
 
 from gateway.errors import ConfigError, InvalidRequest
 from gateway.structured import (
-    _schema_problem,
+    _cached_problem,
     as_response_format,
     check_schema,
     choose,
@@ -183,12 +183,12 @@ def test_as_response_format() -> None:
 
 def test_a_schema_is_checked_against_the_meta_schema_once() -> None:
     schema = {"type": "object", "properties": {"once": {"type": "string"}}}
-    before = _schema_problem.cache_info()
+    before = _cached_problem.cache_info()
     for _ in range(3):
         assert request_constraint({"response_format": _schema_format(schema)})[0] == Constraint(
             "json", schema
         )
-    after = _schema_problem.cache_info()
+    after = _cached_problem.cache_info()
     assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
 
 

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest
+from gateway.structured import _cached_problem
 from gateway.tools import (
     TOOL_TEMPLATE_PATH,
     ParsedCall,
@@ -144,6 +145,24 @@ def test_bad_tool_fields_are_400_with_param(kw: dict[str, Any], param: str) -> N
     with pytest.raises(InvalidRequest) as info:
         plan_tools(request(**kw))
     assert info.value.param == param
+
+
+def test_tool_schemas_are_checked_once_and_bad_ones_every_time() -> None:
+    fn = {"name": "once", "parameters": {"type": "object", "properties": {"tool_once": {}}}}
+    before = _cached_problem.cache_info()
+    for _ in range(3):
+        assert plan_tools(request(tools=[{"type": "function", "function": fn}])).mode == "auto"
+    after = _cached_problem.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+    bad = {"name": "bad", "parameters": {"type": "object", "properties": {"a": {"minLength": -1}}}}
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match=r"tools\[1\]\.function\.parameters is not a valid"):
+            plan_tools(request(tools=[WEATHER, {"type": "function", "function": bad}]))
+    deep: dict[str, Any] = {}
+    for _ in range(5000):
+        deep = {"not": deep}
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        plan_tools(request(tools=[{"type": "function", "function": {"name": "d", "parameters": deep}}]))
 
 
 @pytest.mark.parametrize(
