@@ -265,6 +265,9 @@ def markdown(result: dict[str, Any]) -> str:
         at = next(i for i, line in enumerate(lines) if line.startswith("- shape:")) + 1
         shapes = ", ".join(f"{k}: {v}" for k, v in m.get("mix_shapes", {}).items())
         lines.insert(at, f"- shape per mix: {shapes}")
+    if m.get("gateway_set"):
+        at = next(i for i, line in enumerate(lines) if line.startswith("- model:")) + 1
+        lines.insert(at, "- gateway settings: " + ", ".join(f"`--set {kv}`" for kv in m["gateway_set"]))
     lines += ttft_split(m, pts)
     lines += [
         "",

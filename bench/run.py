@@ -110,6 +110,7 @@ class Bench:
                 "mix_concurrencies": self.plan,
                 "mix_shapes": {m: self.shape_of(m) for m in self.mixes},
                 "together": bool(args.together),
+                "gateway_set": list(args.gateway_set),
                 "adapter_rank": self.p["adapter_rank"],
                 "client": "bench/client.py (aiohttp, own SSE parsing; metrics as vllm bench serve, TTFT to first text event)"
                 + (f", pinned to cores {self.args.client_cpus}" if self.args.client_cpus else ""),
@@ -206,6 +207,7 @@ class Bench:
         else:
             catalog = write_catalog(self.spec, self.adapters_root, self.work / "catalog.yaml")
             cmd, ready = gateway_command(self.spec, port, catalog, self.adapters_root), "/ready"
+            cmd += [arg for kv in self.args.gateway_set for arg in ("--set", kv)]
         env = (
             self.env
             if target == "vllm"
@@ -550,6 +552,14 @@ def main() -> int:
         "--client-cpus",
         help="pin the load generator to these cores while a point runs (e.g. 1 on 2 cores, where vLLM binds "
         "its CPU worker to core 0)",
+    )
+    ap.add_argument(
+        "--gateway-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a gateway setting for the whole run, passed as `--set KEY=VALUE` (repeatable; e.g. "
+        "limits.lora_quantum_s=2 to measure a knob against vLLM's server)",
     )
     ap.add_argument(
         "--pyspy", help="path of a py-spy binary: profile each server's front end in an extra pass"

@@ -143,6 +143,10 @@ def test_markdown_shows_the_shape_and_an_invalid_column() -> None:
     row = next(line for line in md.splitlines() if line.startswith("| gateway | base | 1 |"))
     assert header.rstrip(" |").endswith("invalid (of which cut at max_tokens)")
     assert row.split("|")[-3:-1] == [" 0 ", " 1 (0) "]  # fail 0, invalid 1, none cut at max_tokens
+    assert "gateway settings" not in md
+    meta["gateway_set"] = ["limits.lora_quantum_s=2"]
+    md = report.markdown({"meta": meta, "points": [point]})
+    assert "- gateway settings: `--set limits.lora_quantum_s=2`" in md.splitlines()
 
 
 def _sse(*events: dict[str, Any]) -> bytes:
