@@ -168,8 +168,11 @@ def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
             message = f"tools[{i}].function.parameters is nested too deeply"
             raise InvalidRequest(message, param="tools") from None
         if problem is not None:
+            where, why = problem
             raise InvalidRequest(
-                f"tools[{i}].function.parameters is not a valid JSON schema: {problem[1]}", param="tools"
+                f"tools[{i}].function.parameters is not a valid JSON schema"
+                f"{f' at {where}' if where else ''}: {why}",
+                param="tools",
             )
         if fn.parameters.get("type", "object") != "object":
             raise InvalidRequest(

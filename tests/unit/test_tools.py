@@ -156,7 +156,10 @@ def test_tool_schemas_are_checked_once_and_bad_ones_every_time() -> None:
     assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
     bad = {"name": "bad", "parameters": {"type": "object", "properties": {"a": {"minLength": -1}}}}
     for _ in range(2):
-        with pytest.raises(InvalidRequest, match=r"tools\[1\]\.function\.parameters is not a valid"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"tools\[1\]\.function\.parameters is not a valid JSON schema at properties/a/minLength: ",
+        ):
             plan_tools(request(tools=[WEATHER, {"type": "function", "function": bad}]))
     deep: dict[str, Any] = {}
     for _ in range(5000):
