@@ -48,7 +48,7 @@ MARK = "\x00CONTENT\x00"
 
 
 def seed_for(*parts: object) -> int:
-    """A stable seed per (target, mix, point); request i uses seed + i."""
+    """A stable seed from ``parts`` (e.g. run, pass, mix, concurrency); request i uses seed + i."""
     return zlib.crc32("/".join(map(str, parts)).encode()) * 100_000
 
 

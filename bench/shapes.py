@@ -9,9 +9,10 @@ Under a grammar ``ignore_eos`` makes little sense (once the object closes only E
 allowed), so the structured shapes drop it and keep max_tokens; throughput still counts
 ``usage.completion_tokens``. They decode greedily: the answers' lengths then depend on the
 prompt only, and both servers get the same prompts in the same pass, so they do the same
-work (sampled answers of random length made the two sides' token counts differ). Their answer (the content, or the tool call's arguments) is
-parsed as JSON when the request ends; one that does not parse (or lacks a field) counts as ``invalid`` (a
-truncated object included), not as a failed request.
+work (sampled answers of random length made the two sides' token counts differ). Their
+answer (the content, or the tool call's arguments) is parsed as JSON when the request ends;
+one that does not parse (or lacks a field) counts as ``invalid`` (a truncated object
+included), not as a failed request.
 """
 
 from __future__ import annotations
