@@ -1,46 +1,53 @@
 """Raw SSE framing over httpx: the house format and OpenAI's, streamed as generated.
 
 "Streamed, not buffered" is judged by order, not by a clock: when the client holds the
-first generated event, the engine has not finished the request."""
+first generated event, the engine has not finished the request. The request asks for far
+more tokens than a starved CI machine could make while the client looks (a short one lost
+that race once), and the client hangs up after a few events, which aborts the rest."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.helpers import chat_body
+from tests.helpers import chat_body, eventually
 from tests.integration.conftest import LiveGateway
 
 QUESTION = "Tell me about the history of Paris."
 
 
-def sse_events(response: httpx.Response, on_event: Callable[[int, str], None] | None = None) -> list[str]:
-    """Each SSE event, split on the blank line; ``on_event(i, event)`` runs as event ``i``
-    arrives, before the client reads on."""
-    events: list[str] = []
+def iter_events(response: httpx.Response) -> Iterator[str]:
+    """Each SSE event as it arrives, split on the blank line; no bytes may trail the last."""
     buffer = ""
     for text in response.iter_text():
         buffer += text
         while "\n\n" in buffer:
             event, buffer = buffer.split("\n\n", 1)
-            if on_event is not None:
-                on_event(len(events), event)
-            events.append(event)
+            yield event
     assert buffer == "", f"trailing bytes after the last event: {buffer!r}"
-    return events
 
 
-def unfinished_at(gw: LiveGateway, index: int, seen: list[int]) -> Callable[[int, str], None]:
-    """An ``on_event`` that records the engine's unfinished requests when event ``index`` arrives."""
+def sse_events(response: httpx.Response) -> list[str]:
+    return list(iter_events(response))
 
-    def look(i: int, event: str) -> None:
-        if i == index:
-            seen.append(int(gw.status()["engine_unfinished_requests"]))
 
-    return look
+def unfinished(gw: LiveGateway) -> int:
+    return int(gw.status()["engine_unfinished_requests"])
+
+
+def unfinished_when_held(gw: LiveGateway, response: httpx.Response, index: int) -> int:
+    """The engine's unfinished requests while the client holds event ``index`` of ``response``;
+    the client then reads a few events more and hangs up (the caller closes the stream)."""
+    events = iter_events(response)
+    for _ in range(index + 1):
+        next(events)
+    seen = unfinished(gw)
+    for _ in range(4):
+        next(events)  # and the stream goes on
+    return seen
 
 
 def house_texts(events: list[str]) -> str:
@@ -58,23 +65,26 @@ def http(gateway: LiveGateway) -> httpx.Client:
     return gateway.client()
 
 
-def test_house_chat_endpoint_streams_as_generated(
-    gateway: LiveGateway, http: httpx.Client, base_model: str
-) -> None:
+def test_house_chat_endpoint_framing(http: httpx.Client, base_model: str) -> None:
     body = {"question": QUESTION, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-    unfinished: list[int] = []
     with http.stream("POST", "/chat", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-adapter"] == base_model
-        events = sse_events(r, unfinished_at(gateway, 0, unfinished))
+        events = sse_events(r)
     assert events[-1] == "event: done\ndata: [DONE]"
     assert len(events) > 5
     assert house_texts(events)
+
+
+def test_house_chat_endpoint_streams_as_generated(gateway: LiveGateway) -> None:
+    body = {"question": QUESTION, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    with gateway.client() as http, http.stream("POST", "/chat", json=body) as r:
+        assert r.status_code == 200
+        seen = unfinished_when_held(gateway, r, 0)
     # Streamed, not buffered: the first delta was out while the engine was still generating.
-    assert unfinished[0] >= 1, (
-        "the generation had ended before the first event arrived: the response was buffered"
-    )
+    assert seen >= 1, "the generation had ended before the first event arrived: the response was buffered"
+    eventually(lambda: unfinished(gateway) == 0, 30, "engine request aborted after the client hung up")
 
 
 def test_house_header_on_chat_completions_matches_openai_text(http: httpx.Client, base_model: str) -> None:
@@ -101,13 +111,12 @@ def test_house_data_is_utf8_not_escaped(http: httpx.Client, base_model: str) -> 
     raw.decode("utf-8")  # and it is valid UTF-8
 
 
-def test_openai_sse_framing(gateway: LiveGateway, http: httpx.Client, base_model: str) -> None:
+def test_openai_sse_framing(http: httpx.Client, base_model: str) -> None:
     body = chat_body(base_model, QUESTION, max_tokens=48, temperature=0, stream=True, ignore_eos=True)
-    unfinished: list[int] = []
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = sse_events(r, unfinished_at(gateway, 1, unfinished))  # 0 is the role, sent before any token
+        events = sse_events(r)
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(e.startswith("data: {") and "\n" not in e for e in events[:-1])
@@ -115,10 +124,16 @@ def test_openai_sse_framing(gateway: LiveGateway, http: httpx.Client, base_model
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[1]["choices"][0]["delta"]["content"]  # event 1 carries generated text
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_openai_stream_is_sent_as_generated(gateway: LiveGateway, base_model: str) -> None:
+    body = chat_body(base_model, QUESTION, max_tokens=1500, temperature=0, stream=True, ignore_eos=True)
+    with gateway.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = unfinished_when_held(gateway, r, 1)  # 0 is the role, sent before any token
     # Streamed, not buffered: the first content was out while the engine was still generating.
-    assert unfinished[0] >= 1, (
-        "the generation had ended before the first content arrived: the response was buffered"
-    )
+    assert seen >= 1, "the generation had ended before the first content arrived: the response was buffered"
+    eventually(lambda: unfinished(gateway) == 0, 30, "engine request aborted after the client hung up")
 
 
 def test_house_rejects_n_above_one(http: httpx.Client, base_model: str) -> None:
