@@ -271,6 +271,7 @@ class Catalog:
         self._remove_lora = remove_lora
         self._add_lora = add_lora
         self._ids = LoraIds()
+        self.read_at = time.time()  # when the files behind the table were read (wall clock)
         self.table = build(self._ids)
         self.last_error: str | None = None
         self.reloads = 0
@@ -323,6 +324,7 @@ class Catalog:
 
     def reload(self) -> bool:
         """Build a new table and swap it in; on failure keep serving the last good one."""
+        read_at = time.time()
         try:
             table = self._build(self._ids)
         except ConfigError as exc:
@@ -339,7 +341,7 @@ class Catalog:
         self._retired.difference_update(live)
         # A version that comes back (files restored) before it left the engine stays.
         self._pending_removal = [i for i in self._pending_removal if i not in live]
-        self.table = table
+        self.table, self.read_at = table, read_at
         self.last_error = "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
         self.reloads += 1
         log.info("catalog reloaded: %d routes, %d rejected", len(table.routes), len(table.errors))

@@ -7,6 +7,10 @@ reads whole files. A change under the adapters root reloads the whole catalog: e
 that were rejected (a broken ``adapter_config.json``, a directory not there yet) are
 validated again and go live once their files are right, with no SIGHUP.
 
+The notifications start after the catalog was first read: once they are set up, files
+changed since that read (by their timestamps) get a reload too, so no edit made while the
+gateway started is lost.
+
 A change, ``reload_now`` (SIGHUP) or ``POST /admin/adapters/reload`` all set one event; a
 change seen while a reload runs sets it again, so it is read by the next round, never
 lost. Between rounds, every ``interval`` seconds, LoRA versions that left the table and
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
@@ -82,14 +87,39 @@ class CatalogWatcher:
             log.warning("adapters root %s does not exist: adapter files are not watched", self.adapters_root)
         # watchfiles logs "N changes detected" at INFO; the line below names the files.
         logging.getLogger("watchfiles.main").setLevel(logging.WARNING)
-        self.watching.set()
         async for changes in awatch(
             *paths,
             watch_filter=self.relevant,
             step=QUIET_MS,
             debounce=MAX_WAIT_MS,
             rust_timeout=1_000,  # how soon a cancelled watch ends
+            yield_on_timeout=True,  # an empty round each second: the first says the watch is set
             recursive=True,
         ):
-            log.info("catalog files changed: %s", ", ".join(sorted({p for _, p in changes})[:5]))
-            self.reload_now.set()
+            if not self.watching.is_set():
+                self.watching.set()
+                missed = self.changed_since(self.catalog.read_at)
+                if missed:
+                    log.info("catalog files changed while the gateway started: %s", missed)
+                    self.reload_now.set()
+            if changes:
+                log.info("catalog files changed: %s", ", ".join(sorted({p for _, p in changes})[:5]))
+                self.reload_now.set()
+
+    def changed_since(self, read_at: float) -> str | None:
+        """A watched file or folder (or link) changed after ``read_at``, less a second for
+        coarse file system clocks: its path, or None."""
+        since = read_at - 1.0
+        paths = [self.catalog_path, self.catalog_path.resolve()]  # a link and what it points to
+        with suppress(OSError):
+            paths += [p for p in self.catalog_path.parent.iterdir() if p.name.startswith("..")]
+        for root, dirs, files in os.walk(self.adapters_root):
+            paths += [Path(root), *(Path(root, name) for name in dirs + files)]
+        for path in paths:
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if max(st.st_mtime, st.st_ctime) > since:
+                return str(path)
+        return None

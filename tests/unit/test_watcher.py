@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -57,12 +58,18 @@ class Rig:
 
 
 @asynccontextmanager
-async def watching(tmp_path: Path) -> AsyncIterator[Rig]:
-    """A rig with its watcher running (in the test's own event loop)."""
+async def watching(tmp_path: Path, before: Callable[[Rig], None] | None = None) -> AsyncIterator[Rig]:
+    """A rig with its watcher running (in the test's own event loop); ``before(rig)`` runs
+    after the catalog was read and before the watch starts."""
     rig = Rig(tmp_path)
+    # The rig wrote its files just now: count them as read (the watcher allows a second of
+    # file system clock slack before the read, and would reload once).
+    rig.catalog.read_at = time.time() + 1.0
+    time.sleep(0.05)  # file times come from a coarse clock, a tick behind time.time()
+    if before is not None:
+        before(rig)
     task = asyncio.create_task(rig.watcher.run())
-    await rig.watcher.watching.wait()
-    await asyncio.sleep(0.3)  # the notifications are set up just after `watching`
+    await rig.watcher.watching.wait()  # set once the kernel's notifications are set up
     yield rig
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -87,6 +94,24 @@ async def test_a_fixed_adapter_config_goes_live_without_sighup(tmp_path: Path) -
         assert await within(2.0, lambda: "broken" in rig.catalog.table.routes)
         assert "broken" not in rig.catalog.table.errors
         assert not rig.reload_now.is_set() or rig.reloads >= 1
+
+
+async def test_an_edit_made_before_the_watch_started_is_not_lost(tmp_path: Path) -> None:
+    """The catalog is read, then the watch starts: a fix in between still goes live."""
+
+    def fix(rig: Rig) -> None:
+        config = (SHIPPED / "shout" / "adapter_config.json").read_text()
+        (rig.root / "broken" / "adapter_config.json").write_text(config)
+
+    async with watching(tmp_path, before=fix) as rig:
+        assert await within(2.0, lambda: "broken" in rig.catalog.table.routes)
+        assert rig.reloads == 1
+
+
+async def test_no_reload_at_start_when_nothing_changed(tmp_path: Path) -> None:
+    async with watching(tmp_path) as rig:
+        await asyncio.sleep(1.5)  # past the watcher's first round
+        assert rig.reloads == 0
 
 
 async def test_an_adapter_directory_that_appears_later_goes_live(tmp_path: Path) -> None:
