@@ -136,8 +136,8 @@ def cold_probe(
     engine's own first-request costs are not counted as the adapter's.
 
     Both servers register every adapter at start (vLLM's ``--lora-modules``, the gateway's
-    catalog), each adding it to the engine's CPU cache of ``max_cpu_loras`` (= max_loras)
-    entries, in order: a0..a3 have been evicted by the later ones, so their first request
+    catalog), each adding it to the engine's CPU cache of ``max_cpu_loras`` (= max_loras on
+    both, given explicitly: the gateway would size it to the catalog) entries, in order: a0..a3 have been evicted by the later ones, so their first request
     loads them from disk on either server. The gateway's catalog here has no ``preload``."""
     from bench.client import Job, drive, run_loop
 

@@ -237,7 +237,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"- model: {m['engine']['model']} (served as `{m['engine']['served_name']}`), dtype {m['engine']['dtype']}, "
         f"load_format {m['engine']['load_format'] or 'weights'}, max_num_seqs {m['engine']['max_num_seqs']}, "
         f"max_num_batched_tokens {m['engine']['max_num_batched_tokens']}, max_model_len {m['engine']['max_model_len']}, "
-        f"max_loras {m['engine']['max_loras']}, {len(m['engine']['adapters'])} random rank-{m['adapter_rank']} adapters",
+        f"max_loras {m['engine']['max_loras']}"
+        + (f", max_cpu_loras {m['engine']['max_cpu_loras']}" if m["engine"].get("max_cpu_loras") else "")
+        + f", {len(m['engine']['adapters'])} random rank-{m['adapter_rank']} adapters",
         f"- shape: {shape_line(m.get('shape', 'plain'))}",
         f"- load: streaming /v1/chat/completions, {m['prompt_tokens']} prompt tokens (chat template included), "
         f"{m['output_tokens']} output tokens"

@@ -178,6 +178,7 @@ class Bench:
             dtype=p["adapter_dtype"],
         )
         many = any(m.partition(":")[0] in MANY for m in self.mixes)
+        max_loras = p["lora16_max_loras" if many else "max_loras"]
         self.spec = EngineSpec(
             model=str(model),
             served_name=p["served_name"],
@@ -185,8 +186,9 @@ class Bench:
             max_model_len=p["max_model_len"],
             max_num_seqs=p["max_num_seqs"],
             max_num_batched_tokens=p["max_num_batched_tokens"],
-            max_loras=p["lora16_max_loras" if many else "max_loras"],
+            max_loras=max_loras,
             max_lora_rank=p["max_lora_rank"],
+            max_cpu_loras=max_loras,  # vLLM's default, on both servers
             load_format=p["load_format"],
             adapters={n: str(d) for n, d in zip(names, dirs, strict=True)},
             gpu_memory_utilization=self.args.gpu_memory_utilization,

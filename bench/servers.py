@@ -42,6 +42,9 @@ class EngineSpec:
     max_num_batched_tokens: int
     max_loras: int
     max_lora_rank: int
+    # Given to both: the gateway sizes its CPU cache to the catalog when left out, vLLM's
+    # server keeps max_loras; the same cache on both compares the scheduling, not the cache.
+    max_cpu_loras: int
     load_format: str | None = None
     adapters: dict[str, str] = field(default_factory=dict)  # name -> directory
     gpu_memory_utilization: float | None = None  # --together: two servers share one GPU
@@ -57,6 +60,7 @@ class EngineSpec:
             enable_lora=True,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
             seed=0,
         )
         if self.load_format:
@@ -78,6 +82,7 @@ def _shared_flags(spec: EngineSpec, port: int) -> list[str]:
         "--max-num-seqs", str(spec.max_num_seqs),
         "--max-loras", str(spec.max_loras),
         "--max-lora-rank", str(spec.max_lora_rank),
+        "--max-cpu-loras", str(spec.max_cpu_loras),
     ]  # fmt: skip
     if spec.load_format:
         flags += ["--load-format", spec.load_format]

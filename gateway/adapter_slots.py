@@ -5,6 +5,10 @@ after each reload: load the weights into the engine (timed, counted per route), 
 to a GPU slot when the entry says ``pinned``, and warm them with a one-token request when
 it says ``preload``, so the first user request does not pay for the load.
 
+``cpu_cache_size`` sizes the engine's CPU cache of adapters (``engine.max_cpu_loras``) when
+the settings leave it out: every adapter the catalog names stays in host memory, so an
+adapter whose turn comes is copied to a GPU slot, not read from disk again.
+
 Residency comes from the engine's ``list_loras()`` (the adapters it holds, in a GPU slot
 or its CPU cache; vLLM does not say which), kept in a set that is refreshed after each
 add and remove and every few seconds, so a request never waits on an engine round trip to
@@ -14,7 +18,9 @@ learn whether its adapter is warm.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -28,6 +34,44 @@ from gateway.types import Engine, SamplingSpec
 log = logging.getLogger(__name__)
 
 Residency = Literal["gpu", "loaded", "not loaded"]
+
+CPU_CACHE_SHARE = 0.1  # of host memory that the adapters' CPU cache may take when sized here
+
+
+def cpu_cache_size(max_loras: int, adapter_dirs: Sequence[Path], host_bytes: int | None) -> int:
+    """``engine.max_cpu_loras`` when the settings leave it out: room for every adapter the
+    catalog names, plus ``max_loras`` for new versions and entries that come later; at most
+    ``CPU_CACHE_SHARE`` of ``host_bytes`` by the adapters' mean file size; never fewer than
+    ``max_loras`` (vLLM's own default, which re-reads an evicted adapter from disk)."""
+    wanted = len(adapter_dirs) + max_loras
+    sizes = [adapter_bytes(d) for d in adapter_dirs]
+    mean = sum(sizes) / len(sizes) if sizes else 0.0
+    if host_bytes and mean > 0:
+        wanted = min(wanted, int(host_bytes * CPU_CACHE_SHARE // mean))
+    return max(max_loras, wanted)
+
+
+def adapter_bytes(directory: Path) -> int:
+    """The size of an adapter's weight files (0 when they cannot be read)."""
+    try:
+        return sum(f.stat().st_size for f in directory.iterdir() if f.suffix in (".safetensors", ".bin"))
+    except OSError:
+        return 0
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory, or the container's limit where one is set (cgroup v2)."""
+    try:
+        total: int | None = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        total = None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    if limit.isdigit():
+        return min(total, int(limit)) if total else int(limit)
+    return total
 
 
 class AdapterSlots:

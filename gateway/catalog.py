@@ -160,6 +160,24 @@ def load_table(
     return RoutingTable(base=base, routes=routes, errors=errors)
 
 
+def adapter_dirs(catalog_path: Path, adapters_root: Path) -> list[Path]:
+    """The adapter folders the catalog file names, as far as they can be read now (for
+    sizing the engine before the catalog is loaded; ``load_table`` reports what is wrong)."""
+    try:
+        spec = CatalogFile.model_validate(yaml.safe_load(catalog_path.read_text()) or {})
+    except (OSError, yaml.YAMLError, ValidationError):
+        return []
+    dirs = []
+    for item in spec.routes:
+        raw = item.get("adapter") if isinstance(item, dict) else None
+        if isinstance(raw, str):
+            try:
+                dirs.append(safe_adapter_path(raw, adapters_root))
+            except ConfigError:
+                continue
+    return dirs
+
+
 def _build_route(
     entry: RouteEntry,
     adapters_root: Path,

@@ -35,7 +35,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
     ("--max-loras", "engine.max_loras", int, "LoRA adapters resident on the GPU at once"),
     ("--max-lora-rank", "engine.max_lora_rank", int, "largest adapter rank accepted"),
-    ("--max-cpu-loras", "engine.max_cpu_loras", int, "LoRA adapters kept in the engine's CPU cache"),
+    ("--max-cpu-loras", "engine.max_cpu_loras", int, "adapters in host memory (default: catalog+max-loras)"),
     ("--load-format", "engine.load_format", str, "vLLM load format (e.g. dummy)"),
     ("--catalog", "catalog", str, "adapter catalog YAML"),
     ("--adapters-root", "adapters_root", str, "folder adapters must live in"),

@@ -51,7 +51,9 @@ class EngineSettings(_Section):
     enable_lora: bool = True
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
-    max_cpu_loras: int | None = Field(None, ge=1)
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters in the engine's CPU cache; left out: sized to the catalog"
+    )
     enable_prefix_caching: bool | None = None
     load_format: str | None = None
     seed: int | None = 0

@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.adapter_slots import AdapterSlots
+from gateway.adapter_slots import AdapterSlots, cpu_cache_size, host_memory_bytes
 from gateway.adapters_check import ModelShapes, model_shapes
-from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, load_table
+from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
 from gateway.lora_scheduler import LoraScheduler
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, engine: Engine | None = None) -> None:
-        self.settings = settings
+        settings = self.settings = with_cpu_cache(settings)
         self.engine: Engine = engine or EngineManager(settings.engine, settings.cache_dir)
         self.catalog: Catalog | None = None
         self.started = time.time()
@@ -172,6 +172,19 @@ def lora_scheduler(
         pinned=pinned,
         metrics=metrics,
     )
+
+
+def with_cpu_cache(settings: GatewaySettings) -> GatewaySettings:
+    """The settings with ``engine.max_cpu_loras`` sized to the catalog when they leave it out
+    (``adapter_slots.cpu_cache_size``); read once, before the engine starts."""
+    engine = settings.engine
+    if not engine.enable_lora or engine.max_cpu_loras is not None:
+        return settings
+    dirs = adapter_dirs(settings.catalog, settings.adapters_root)
+    size = cpu_cache_size(engine.max_loras, dirs, host_memory_bytes())
+    room = "room for each" if size >= len(dirs) + engine.max_loras else "capped by host memory"
+    log.info("engine.max_cpu_loras=%d: the catalog names %d adapters (%s)", size, len(dirs), room)
+    return settings.model_copy(update={"engine": engine.model_copy(update={"max_cpu_loras": size})})
 
 
 def route_names(table: RoutingTable) -> frozenset[str]:

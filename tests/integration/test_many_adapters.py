@@ -19,6 +19,11 @@ def cards(gw: LiveGateway) -> dict[str, dict[str, object]]:
     return {m["id"]: m for m in gw.client().get("/v1/models").json()["data"]}
 
 
+def residency(gw: LiveGateway) -> dict[str, object]:
+    """Each LoRA route's residency (gpu, loaded, not loaded) as /v1/models shows it."""
+    return {name: card["residency"] for name, card in cards(gw).items() if card.get("residency")}
+
+
 def admin(gw: LiveGateway) -> dict[str, object]:
     return gw.admin().get("/admin/adapters").json()  # type: ignore[no-any-return]
 
@@ -94,6 +99,16 @@ def test_pinned_preloaded_and_foreign_adapters(gateway: LiveGateway) -> None:
         )
         match = re.search(warm, text, re.M)
         assert match and float(match[1]) >= 1  # preloaded: its first user request was warm
+        # The engine's CPU cache was sized to the catalog (3 adapters + max_loras 4): all five
+        # stay loaded, where vLLM's default (max_loras) would have evicted one of them.
+        assert "engine.max_cpu_loras=7" in gateway.log.read_text()
+        five = {"shout", "json", "bullets", "warm", "foreign"}
+        eventually(
+            lambda: residency(gateway).keys() >= five and "not loaded" not in residency(gateway).values(),
+            12,
+            "every adapter loaded",
+            lambda: str(residency(gateway)),
+        )
     finally:
         gateway.catalog.write_text(original)
         gateway.admin().post("/admin/adapters/reload")

@@ -170,3 +170,58 @@ def test_gateways_sharing_a_cache_keep_each_others_copies(tmp_path: Path) -> Non
     assert not first.path.exists() and second.path.exists()
     second.close()
     third.close()
+
+
+# -- the engine's CPU cache of adapters (engine.max_cpu_loras) --------------------------
+def weights(root: Path, name: str, size: int) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_bytes(b"\0" * size)
+    (path / "adapter_config.json").write_text("{}")  # not weights: not counted
+    return path
+
+
+def test_the_cpu_cache_holds_every_catalog_adapter_and_room_for_more(tmp_path: Path) -> None:
+    from gateway.adapter_slots import cpu_cache_size
+
+    dirs = [weights(tmp_path, f"a{i}", 1000) for i in range(16)]
+    assert cpu_cache_size(4, dirs, host_bytes=10**9) == 16 + 4
+    assert cpu_cache_size(4, [], host_bytes=10**9) == 4  # vLLM's own default, max_loras
+    assert cpu_cache_size(2, dirs, host_bytes=None) == 18  # memory unknown: no cap
+
+
+def test_the_cpu_cache_stays_within_a_share_of_host_memory(tmp_path: Path) -> None:
+    from gateway.adapter_slots import CPU_CACHE_SHARE, cpu_cache_size
+
+    dirs = [weights(tmp_path, f"a{i}", 1000) for i in range(16)]
+    host = int(10 * 1000 / CPU_CACHE_SHARE)  # the share holds 10 adapters of this size
+    assert cpu_cache_size(4, dirs, host_bytes=host) == 10
+    assert cpu_cache_size(4, dirs, host_bytes=host // 10) == 4  # never below max_loras
+
+
+def test_settings_get_a_cpu_cache_sized_to_the_catalog(make_settings: Any) -> None:
+    from gateway.state import with_cpu_cache
+
+    sized = with_cpu_cache(make_settings(engine__max_loras=2))
+    assert sized.engine.max_cpu_loras == 2 + 2  # shout and json, plus max_loras
+    assert with_cpu_cache(make_settings(engine__max_cpu_loras=3)).engine.max_cpu_loras == 3
+    assert with_cpu_cache(make_settings(engine__enable_lora=False)).engine.max_cpu_loras is None
+
+
+def test_catalog_adapter_folders_skip_presets_and_bad_paths(tmp_path: Path) -> None:
+    from gateway.catalog import adapter_dirs
+
+    root = tmp_path / "adapters"
+    shout = weights(root, "shout", 10)
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(
+        "routes:\n"
+        "  - {name: shout, adapter: shout}\n"
+        "  - {name: gone, adapter: gone}\n"
+        "  - {name: out, adapter: ../elsewhere}\n"
+        "  - {name: concise, system_prompt: Be brief.}\n"
+    )
+    assert adapter_dirs(catalog, root) == [shout.resolve()]
+    catalog.write_text("routes: [")  # broken: the catalog's own load reports it
+    assert adapter_dirs(catalog, root) == []
+    assert adapter_dirs(tmp_path / "missing.yaml", root) == []
