@@ -6,7 +6,14 @@ stored conversation of ``previous_response_id`` comes next (its instructions are
 carried over, as OpenAI does), then ``input`` (a string is one user message).
 ``text.format`` becomes a ``Constraint`` (``json_schema`` / ``json_object``).
 
-Fields that would change the answer but are not implemented (tools, reasoning, include,
+Function tools are chat's tools in the Responses shapes: ``tools`` (``{"type": "function",
+"name", "parameters", ...}``) and ``tool_choice`` (``{"type": "function", "name"}`` for a
+named one) become chat's; ``function_call`` input items become an assistant message with
+``tool_calls`` and ``function_call_output`` items ``tool`` messages, so the chat path's
+checks, template and grammar apply. Other tool types (web search, file search, MCP, ...)
+are refused with a 400 naming the tool.
+
+Fields that would change the answer but are not implemented (reasoning, include,
 background, conversation, prompt, ...) are refused with a 400 naming the field; other
 unknown fields are ignored, as for chat.
 """
@@ -27,8 +34,6 @@ _TEXT_PARTS = ("input_text", "output_text")
 # Fields that would change the answer; each may still be sent "unused" (None, [], False,
 # an object of nulls) or with the value named here.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
-    "tools": (),
-    "tool_choice": ("auto", "none"),
     "include": (),
     "background": (),
     "conversation": (),
@@ -92,6 +97,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
+    tools: list[Any] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # only read with include=[...logprobs]
 
@@ -112,44 +119,107 @@ class ResponsesRequest(BaseModel):
         return {name: extra[name] for name in _SAMPLING_EXTRAS if extra.get(name) is not None}
 
 
-def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, str]]:
+def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
     """``input`` as chat messages. Items are messages (OpenAI's easy form or typed form,
-    output messages of an earlier response included) with text content only."""
+    output messages of an earlier response included) with text content only, function calls
+    (consecutive ones are one assistant message) and their outputs."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
         raise InvalidRequest("input must not be empty", param=param)
-    return [_message(item, f"{param}[{i}]") for i, item in enumerate(value)]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest("an input item must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = _function_call(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            content = _text(item.get("output"), f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        elif kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise InvalidRequest(f"role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
+            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        else:
+            raise InvalidRequest(f"input items of type '{kind}' are not supported", param=f"{where}.type")
+    return messages
 
 
-def _message(item: Any, param: str) -> dict[str, str]:
-    if not isinstance(item, dict):
-        raise InvalidRequest("an input item must be an object", param=param)
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise InvalidRequest(f"input items of type '{kind}' are not supported", param=f"{param}.type")
-    role = item.get("role")
-    if role not in _ROLES:
-        raise InvalidRequest(f"role must be one of {', '.join(_ROLES)}", param=f"{param}.role")
-    content = item.get("content")
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call (its arguments a JSON text, as sent)."""
+    name, arguments = _string(item, "name", where), _string(item, "arguments", where)
+    return {
+        "id": _string(item, "call_id", where),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (not value and key != "arguments"):
+        raise InvalidRequest(f"'{key}' must be a non-empty string", param=f"{where}.{key}")
+    return value
+
+
+def _text(content: Any, param: str) -> str:
+    """A string, or the text of a list of text parts."""
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return content
     if not isinstance(content, list):
-        raise InvalidRequest("content must be a string or a list of parts", param=f"{param}.content")
+        raise InvalidRequest("content must be a string or a list of parts", param=param)
     texts = []
     for j, part in enumerate(content):
-        where = f"{param}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequest(
-                f"content parts of type '{kind}' are not supported (text only)", param=f"{where}.type"
+                f"content parts of type '{kind}' are not supported (text only)", param=f"{param}[{j}].type"
             )
         texts.append(part["text"])
-    return {"role": role, "content": "".join(texts)}
+    return "".join(texts)
+
+
+def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` in chat's shapes (only what the request sets)."""
+    out: dict[str, Any] = {}
+    if body.tools:
+        tools = []
+        for i, tool in enumerate(body.tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise InvalidRequest(
+                    f"tools of type '{str(kind)[:40]}' are not supported (function tools only)",
+                    param=f"tools[{i}].type",
+                )
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            tools.append({"type": "function", "function": function})
+        out["tools"] = tools
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidRequest(
+                "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+                param="tool_choice",
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    if body.parallel_tool_calls is not None:
+        out["parallel_tool_calls"] = body.parallel_tool_calls
+    return out
 
 
 def chat_request(
-    body: ResponsesRequest, history: list[dict[str, str]], turn: list[dict[str, str]]
+    body: ResponsesRequest, history: list[dict[str, Any]], turn: list[dict[str, Any]]
 ) -> ChatCompletionRequest:
     """The chat request that answers ``body``: instructions, the earlier turns, this turn."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -163,6 +233,7 @@ def chat_request(
             temperature=body.temperature,
             top_p=body.top_p,
             stream=body.stream,
+            **chat_tools(body),
             **body.sampling_extras,
         )
     except ValidationError as exc:

@@ -26,6 +26,7 @@ from typing import Any
 from gateway.errors import EngineFailed, GatewayError
 from gateway.responses_api import ResponsesRequest, format_echo
 from gateway.service import Collected, Generation
+from gateway.tools import call_id, calls_of_answer
 from gateway.types import StepOutput
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,38 @@ def output_text(response: dict[str, Any]) -> str:
     )
 
 
+def assistant_turn(response: dict[str, Any]) -> dict[str, Any]:
+    """A rendered Response as the chat message that continues from it (tool calls included)."""
+    turn: dict[str, Any] = {"role": "assistant", "content": output_text(response)}
+    calls = [item for item in response["output"] if item["type"] == "function_call"]
+    if calls:
+        turn["content"] = turn["content"] or None
+        turn["tool_calls"] = [
+            {
+                "id": c["call_id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for c in calls
+        ]
+    return turn
+
+
+def function_call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def item_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
 class ResponseDraft:
     """One Response object: ids fixed at creation, rendered as it progresses."""
 
@@ -78,14 +111,13 @@ class ResponseDraft:
     def render(
         self,
         status: str,
-        text: str | None = None,
+        output: list[dict[str, Any]] | None = None,
         tokens: tuple[int, int] | None = None,
         error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The Response; ``text`` None means no output item yet; ``tokens`` (in, out) the usage."""
+        """The Response with ``output`` (its items); ``tokens`` (in, out) the usage."""
         body, sampling = self.body, self.gen.sampling
         incomplete = status == "incomplete"
-        output = [] if text is None else [self.message(text, "incomplete" if incomplete else "completed")]
         return {
             "id": self.id,
             "object": "response",
@@ -100,16 +132,16 @@ class ResponseDraft:
             "max_tool_calls": None,
             "metadata": body.metadata or {},
             "model": self.gen.route.name,
-            "output": output,
-            "parallel_tool_calls": True,
+            "output": output or [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "service_tier": "default",
             "store": body.store,
             "temperature": sampling.temperature,
             "text": {"format": format_echo(body.text.format), "verbosity": "medium"},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": body.tool_choice or "auto",
+            "tools": body.tools or [],
             "top_logprobs": body.top_logprobs or 0,
             "top_p": sampling.top_p,
             "truncation": "disabled",
@@ -120,7 +152,19 @@ class ResponseDraft:
     def whole(self, result: Collected) -> dict[str, Any]:
         choice = result.choices[0]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        return self.render(status, "".join(choice.text), (result.prompt_tokens, result.completion_tokens))
+        output = self.items("".join(choice.text), "incomplete" if status == "incomplete" else "completed")
+        return self.render(status, output, (result.prompt_tokens, result.completion_tokens))
+
+    def items(self, text: str, status: str) -> list[dict[str, Any]]:
+        """The output items of a finished answer: its text as a message, and where tools were
+        offered, the function calls read from it (``tools.calls_of_answer``)."""
+        if self.gen.tools.mode == "none":
+            return [self.message(text, status)]
+        content, calls = calls_of_answer(self.gen.tools, text, self.gen.route.tool_parser)
+        output = [self.message(content, status)] if content else []
+        for call in calls:
+            output.append(function_call(item_id("fc"), call_id(), call.name, call.arguments, status))
+        return output
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -178,7 +222,9 @@ class ResponseEventEncoder:
 
     def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        return self.draft.render(status, "".join(self.text), (input_tokens, output_tokens))
+        return self.draft.render(
+            status, [self.draft.message("".join(self.text), status)], (input_tokens, output_tokens)
+        )
 
     def end(self, response: dict[str, Any]) -> bytes:
         text = "".join(self.text)
@@ -196,8 +242,9 @@ class ResponseEventEncoder:
     def error(self, exc: GatewayError) -> bytes:
         error = {"code": "server_error", "message": exc.message}
         tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
-        failed = self.draft.render("failed", "".join(self.text), tokens, error)
-        failed["output"][0]["status"] = "incomplete"
+        failed = self.draft.render(
+            "failed", [self.draft.message("".join(self.text), "incomplete")], tokens, error
+        )
         return self.event("response.failed", response=failed)
 
 

@@ -25,7 +25,8 @@ from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.responses import SSEResponse, collect_unless_gone, read_json, route_headers
 from gateway.responses_api import ResponsesRequest, chat_request, constraint, input_messages, rename_param
-from gateway.responses_events import ResponseDraft, ResponseEventEncoder, output_text, stream_events
+from gateway.responses_events import ResponseDraft, ResponseEventEncoder, assistant_turn, stream_events
+from gateway.responses_tools import ResponseToolEncoder
 from gateway.service import Collected, Generation
 from gateway.sse import (
     HouseEncoder,
@@ -113,15 +114,15 @@ async def create_response(request: Request) -> Response:
     draft = ResponseDraft(body, gen)
 
     async def save(response: dict[str, Any]) -> None:
-        said = {"role": "assistant", "content": output_text(response)}
-        await gw.responses.put(owner, response, [*history, *turn, said])
+        await gw.responses.put(owner, response, [*history, *turn, assistant_turn(response)])
 
     def prompt() -> Any:
         return [m.model_dump(exclude_none=True) for m in chat.messages]
 
     if body.stream:
         record = _track(request, gen, True, prompt)
-        events = stream_events(gen, ResponseEventEncoder(draft), save if body.store else None)
+        encoder = ResponseEventEncoder(draft) if gen.tools.mode == "none" else ResponseToolEncoder(draft)
+        events = stream_events(gen, encoder, save if body.store else None)
         return SSEResponse(events, route_headers(gen), record)
     record = _track(request, gen, False, prompt)
     result = await collect_unless_gone(request, gen)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -181,9 +182,106 @@ def test_sdk_parse_with_a_pydantic_model(client: openai.OpenAI, base_model: str)
 
 def test_unsupported_field_is_400(client: openai.OpenAI, base_model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(
-            model=base_model,
-            input="Hi",
-            tools=[{"type": "function", "name": "f", "parameters": {}, "strict": False}],
-        )
-    assert "tools" in str(info.value)
+        client.responses.create(model=base_model, input="Hi", tools=[{"type": "web_search"}])
+    assert info.value.body["param"] == "tools[0].type"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=base_model, input="Hi", reasoning={"effort": "high"})
+    assert info.value.body["param"] == "reasoning"  # type: ignore[index]
+
+
+# -- function tools -------------------------------------------------------------------------
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+TIME: Any = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 30}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+
+
+def valid_call(item: Any, tool: Any) -> dict[str, Any]:
+    assert item.type == "function_call" and item.name == tool["name"], item
+    assert item.call_id and item.id.startswith("fc_")
+    arguments = json.loads(item.arguments)
+    jsonschema.validate(arguments, tool["parameters"])
+    return arguments  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("model", ["base", "shout"])
+def test_named_function_call_parses_and_validates(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.create(
+        model=model,
+        input="What is the weather in Paris?",
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=80,
+        temperature=0,
+    )
+    assert r.status == "completed" and len(r.output) == 1
+    valid_call(r.output[0], WEATHER)
+
+
+def test_required_stream_assembles_valid_calls(client: openai.OpenAI) -> None:
+    with client.responses.stream(
+        model="base",
+        input="Weather in Oslo, and the time there?",
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call: the base model would go on adding calls
+        max_output_tokens=80,
+        temperature=0,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.status == "completed" and len(final.output) == 1
+    (item,) = final.output
+    valid_call(item, {"get_weather": WEATHER, "get_time": TIME}[item.name])  # type: ignore[union-attr]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1  # streamed as generated, not in one piece
+    joined = "".join(e.delta for e in deltas if e.output_index == 0)
+    assert joined == final.output[0].arguments  # type: ignore[union-attr]
+
+
+def test_function_call_output_round_trip(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model="base",
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+    )
+    call = first.output[0]
+    valid_call(call, WEATHER)
+    result: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "22 C and sunny"}]  # type: ignore[union-attr]
+    second = client.responses.create(
+        model="base",
+        input=result,
+        previous_response_id=first.id,
+        tools=[WEATHER],
+        max_output_tokens=16,
+        temperature=0,
+    )
+    assert second.status in ("completed", "incomplete") and second.output
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
+    with pytest.raises(openai.BadRequestError) as info:  # an output that answers no call
+        other: Any = [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]
+        client.responses.create(model="base", input=other, tools=[WEATHER])
+    assert info.value.body["param"] == "input"  # type: ignore[index]

@@ -70,6 +70,21 @@ def sdk(http: TestClient, key: str = ALICE) -> openai.OpenAI:
     return openai.OpenAI(api_key=key, base_url="http://testserver/v1", http_client=http, max_retries=0)
 
 
+def message_events(deltas: int) -> list[str]:
+    """The event types of a streamed Response whose output is one message."""
+    return [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+
+
 def prompt_of(engine: ReadyEngine, call: int = -1) -> str:
     return "".join(map(chr, engine.calls[call][0]))
 
@@ -161,18 +176,7 @@ def test_stream_events_in_order(http_nolife: TestClient) -> None:
     with client.responses.stream(model="base-model", input="Hi") as stream:
         events = list(stream)
         final = stream.get_final_response()
-    kinds = [e.type for e in events]
-    assert kinds == [
-        "response.created",
-        "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-        *["response.output_text.delta"] * 3,
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        "response.completed",
-    ]
+    assert [e.type for e in events] == message_events(3)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert deltas == ["Hello", " world", "!"]
@@ -201,7 +205,7 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"background": True}, "background"),
@@ -229,7 +233,7 @@ def test_unsupported_fields_are_400(http_nolife: TestClient, extra: dict[str, An
 @pytest.mark.parametrize(
     ("item", "param"),
     [
-        ({"type": "function_call_output", "call_id": "c", "output": "x"}, "input[0].type"),
+        ({"type": "reasoning", "summary": []}, "input[0].type"),
         (
             {"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]},
             "input[0].content[0].type",

@@ -1,0 +1,200 @@
+"""A streamed Response whose request offered function tools: its items and typed events.
+
+Used only when ``Generation.tools.mode`` is not ``none``, so the plain encoder
+(``responses_events.ResponseEventEncoder``) keeps its hot path. The output is a list of
+items, each announced (``response.output_item.added``), filled and closed
+(``response.output_item.done``) before the next opens, as OpenAI streams them:
+
+- a ``function_call`` item: ``response.function_call_arguments.delta`` pieces, then
+  ``response.function_call_arguments.done`` with the whole arguments text;
+- a ``message`` item: ``response.content_part.added``, ``response.output_text.delta``
+  pieces, ``response.output_text.done`` and ``response.content_part.done``.
+
+When the items are known follows chat's tool stream (``sse_tools``): under ``named`` (and
+``required`` with one function) the call is announced before the first token and its
+arguments stream as generated; under ``required`` each call opens once its name is
+complete (``RequiredCallScanner``); under ``auto`` an answer that cannot open a call
+streams as a message at once, one that can is read when it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.responses_events import ResponseDraft, ResponseEventEncoder, function_call, item_id, text_part
+from gateway.sse_tools import RequiredCallScanner
+from gateway.tools import CALL_OPENERS, call_id, calls_of_answer
+from gateway.types import Chunk, StepOutput
+
+
+@dataclass(slots=True)
+class _Item:
+    kind: str  # "message" or "function_call"
+    id: str
+    call_id: str = ""
+    name: str = ""
+    parts: list[str] = field(default_factory=list)  # the text, or the arguments text
+    announced: bool = False  # output_item.added went out
+    closed: bool = False  # output_item.done went out
+
+    def render(self, draft: ResponseDraft, status: str) -> dict[str, Any]:
+        if self.kind == "message":
+            return {**draft.message("".join(self.parts), status), "id": self.id}
+        return function_call(self.id, self.call_id, self.name, "".join(self.parts), status)
+
+
+class ResponseToolEncoder(ResponseEventEncoder):
+    """The typed events of a Response that may hold function calls."""
+
+    def __init__(self, draft: ResponseDraft) -> None:
+        super().__init__(draft)
+        self.plan = draft.gen.tools
+        self.parser = draft.gen.route.tool_parser
+        self.items: list[_Item] = []
+        self.buffered: list[str] = []  # auto: an answer that may be a call, read at the end
+        self.streaming_text = False
+        self.scanner = RequiredCallScanner()
+        plan = self.plan
+        # The first call's name when it is known before any token (as in sse_tools).
+        first = plan.named if plan.mode == "named" else None
+        if plan.mode == "required" and len(plan.tools) == 1:
+            first = plan.tools[0].name
+        self.first_name = first
+
+    # -- items ----------------------------------------------------------------------------
+    def _open(self, item: _Item) -> bytes:
+        """Close the open item, then announce ``item``."""
+        out = self._close_open("completed")
+        self.items.append(item)
+        return out + self._announce(len(self.items) - 1, item)
+
+    def _announce(self, index: int, item: _Item) -> bytes:
+        item.announced = True
+        added = item.render(self.draft, "in_progress")
+        out = self.event("response.output_item.added", output_index=index, item=added)
+        if item.kind == "message":
+            where = {"item_id": item.id, "output_index": index, "content_index": 0}
+            out += self.event("response.content_part.added", **where, part=text_part(""))
+        return out
+
+    def _add(self, item: _Item, piece: str) -> bytes:
+        item.parts.append(piece)
+        index = self.items.index(item)
+        if item.kind == "message":
+            return self.event(
+                "response.output_text.delta",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+            )
+        return self.event(
+            "response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=piece
+        )
+
+    def _close_open(self, status: str) -> bytes:
+        for index, item in enumerate(self.items):
+            if item.announced and not item.closed:
+                item.closed = True
+                text = "".join(item.parts)
+                if item.kind == "message":
+                    where = {"item_id": item.id, "output_index": index, "content_index": 0}
+                    out = self.event("response.output_text.done", **where, text=text, logprobs=[])
+                    out += self.event("response.content_part.done", **where, part=text_part(text))
+                else:
+                    out = self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item.id,
+                        output_index=index,
+                        name=item.name,
+                        arguments=text,
+                    )
+                done = item.render(self.draft, status)
+                return out + self.event("response.output_item.done", output_index=index, item=done)
+        return b""
+
+    def _call(self, name: str) -> _Item:
+        return _Item("function_call", item_id("fc"), call_id(), name)
+
+    def _message(self) -> _Item:
+        return _Item("message", self.draft.message_id)
+
+    # -- the stream -----------------------------------------------------------------------
+    def start(self) -> bytes:
+        snapshot = self.draft.render("in_progress")
+        out = self.event("response.created", response=snapshot)
+        out += self.event("response.in_progress", response=snapshot)
+        if self.first_name is not None:
+            out += self._open(self._call(self.first_name))
+        return out
+
+    def step(self, step: StepOutput) -> bytes:
+        return b"".join(self._chunk(c) for c in step.chunks)
+
+    def _chunk(self, c: Chunk) -> bytes:
+        if c.finish_reason is not None:
+            self.finish_reason = c.finish_reason
+        if not c.text:
+            return b""
+        if self.plan.mode == "named":
+            return self._add(self.items[0], c.text)
+        if self.plan.mode == "required":
+            out = b""
+            for kind, value in self.scanner.feed(c.text):
+                if kind == "name":
+                    if self.scanner.calls == 1 and self.first_name is not None:
+                        continue  # announced at the start
+                    out += self._open(self._call(value))
+                else:
+                    out += self._add(self.items[-1], value)
+            return out
+        if self.streaming_text:
+            return self._add(self.items[-1], c.text)
+        self.buffered.append(c.text)
+        text = "".join(self.buffered)
+        if text.strip() and not text.lstrip().startswith(CALL_OPENERS):
+            self.streaming_text, self.buffered = True, []
+            return self._open(self._message()) + self._add(self.items[-1], text)
+        return b""
+
+    def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+        """The Response; what was held back (an ``auto`` answer that may be calls, a
+        ``required`` one cut short before any call) becomes its items here."""
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        held = "".join(self.buffered) if self.plan.mode == "auto" and not self.streaming_text else None
+        if self.plan.mode == "required" and not self.items:
+            held = self.scanner.text
+        if held is not None:
+            content, calls = calls_of_answer(self.plan, held, self.parser)
+            if content:
+                self.items.append(_Item("message", self.draft.message_id, parts=[content]))
+            for call in calls:
+                item = self._call(call.name)
+                item.parts.append(call.arguments)
+                self.items.append(item)
+        # An item closed because the next one opened was complete; the rest end with the answer.
+        output = [item.render(self.draft, "completed" if item.closed else status) for item in self.items]
+        return self.draft.render(status, output, (input_tokens, output_tokens))
+
+    def end(self, response: dict[str, Any]) -> bytes:
+        status = response["status"]
+        out = self._close_open(status)
+        for index, item in enumerate(self.items):
+            if item.announced:
+                continue
+            pieces, item.parts = item.parts, []  # _add puts them back, one event each
+            out += self._announce(index, item)
+            for piece in pieces:
+                out += self._add(item, piece)
+            out += self._close_open(status)
+        last = "response.incomplete" if status == "incomplete" else "response.completed"
+        return out + self.event(last, response=response)
+
+    def error(self, exc: GatewayError) -> bytes:
+        error = {"code": "server_error", "message": exc.message}
+        tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
+        output = [item.render(self.draft, "incomplete") for item in self.items if item.announced]
+        return self.event("response.failed", response=self.draft.render("failed", output, tokens, error))

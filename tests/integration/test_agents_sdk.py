@@ -1,0 +1,66 @@
+"""The OpenAI Agents SDK (``openai-agents``) on the live gateway: an agent whose model is a
+gateway route over ``/v1/responses`` calls a Python function tool, run whole and streamed.
+
+The embedded model is a 270M base model, so the call is forced (``tool_choice: required``,
+one call at a time) and the run stops at the tool's result; what is checked is the protocol:
+the SDK reads the ``function_call`` item, runs the tool with the arguments the grammar made
+valid, and ends with the tool's output."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import agents
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.integration.conftest import USER_KEY, LiveGateway
+
+
+def weather_agent(client: openai.AsyncOpenAI, model: str, seen: list[str]) -> agents.Agent:
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        seen.append(city)
+        return f"22 C and sunny in {city}"
+
+    return agents.Agent(
+        name="weather",
+        instructions="Answer questions about the weather with the get_weather tool.",
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=model, openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60
+        ),
+        tool_use_behavior="stop_on_first_tool",
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_tracing() -> None:
+    agents.set_tracing_disabled(True)  # nothing to export traces to
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def client(gateway: LiveGateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
+
+
+@pytest.mark.parametrize("model", ["base", "shout"])
+async def test_an_agent_calls_a_function_tool(client: openai.AsyncOpenAI, model: str) -> None:
+    seen: list[str] = []
+    result = await agents.Runner.run(weather_agent(client, model, seen), "What is the weather in Paris?")
+    assert len(seen) == 1 and isinstance(seen[0], str)
+    assert result.final_output == f"22 C and sunny in {seen[0]}"
+    calls = [item for item in result.new_items if item.type == "tool_call_item"]
+    assert len(calls) == 1 and calls[0].raw_item.name == "get_weather"
+
+
+async def test_a_streamed_agent_run_calls_the_tool(client: openai.AsyncOpenAI) -> None:
+    seen: list[str] = []
+    run = agents.Runner.run_streamed(weather_agent(client, "base", seen), "Is it raining in Oslo?")
+    kinds = [event.type async for event in run.stream_events()]
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+    assert len(seen) == 1 and run.final_output == f"22 C and sunny in {seen[0]}"

@@ -1,0 +1,190 @@
+"""Function tools on ``/v1/responses`` in-process, through the openai SDK, with a fake engine
+whose words are the model's answer: the items and typed events a client assembles."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.types import Constraint
+from tests.unit.test_responses_app import FailingEngine, ReadyEngine, make_app, message_events, prompt_of, sdk
+
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+TIME: Any = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+CALL = ['{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}']
+
+
+def app(words: list[str]) -> tuple[TestClient, ReadyEngine]:
+    engine = ReadyEngine(words=words, max_model_len=1000)
+    return make_app(engine), engine
+
+
+def kinds(events: list[Any]) -> list[str]:
+    return [e.type for e in events]
+
+
+def streamed(http: TestClient, **fields: Any) -> tuple[list[Any], Any]:
+    """The events of a streamed Response and the SDK's final Response."""
+    with sdk(http).responses.stream(model="base-model", **fields) as stream:
+        return list(stream), stream.get_final_response()
+
+
+def test_auto_answer_with_a_call_is_a_function_call_item() -> None:
+    http, _ = app(CALL)
+    r = sdk(http).responses.create(model="base-model", input="Weather in Paris?", tools=[WEATHER])
+    assert r.status == "completed" and len(r.output) == 1
+    call = r.output[0]
+    assert call.type == "function_call" and call.status == "completed"
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    assert r.output_text == ""
+    assert r.tools[0].type == "function" and r.tools[0].name == "get_weather"  # echoed
+    assert r.tool_choice == "auto" and r.parallel_tool_calls is True
+
+
+def test_auto_plain_answer_is_a_message_and_streams_at_once() -> None:
+    http, _ = app(["Sunny", " today", "."])
+    client = sdk(http)
+    assert (
+        client.responses.create(model="base-model", input="Hi", tools=[WEATHER]).output_text == "Sunny today."
+    )
+    events, final = streamed(http, input="Hi", tools=[WEATHER])
+    assert kinds(events) == message_events(3)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.output_text == "Sunny today." and final.output[0].type == "message"
+
+
+def test_auto_stream_of_a_call_is_read_at_the_end() -> None:
+    http, _ = app(CALL)
+    events, final = streamed(http, input="Weather?", tools=[WEATHER])
+    assert kinds(events) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, done = events[2], events[5]
+    assert added.item.type == "function_call" and added.item.status == "in_progress"
+    assert done.item.status == "completed" and done.item.id == added.item.id
+    assert json.loads(events[4].arguments) == {"city": "Paris"} and events[4].item_id == added.item.id
+    call = final.output[0]
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id == done.item.call_id
+
+
+def test_named_function_streams_its_arguments_as_generated() -> None:
+    words = ['{"city": ', '"Paris"', "}"]
+    http, engine = app(words)
+    choice: Any = {"type": "function", "name": "get_weather"}
+    events, final = streamed(http, input="Weather?", tools=[WEATHER, TIME], tool_choice=choice)
+    assert kinds(events)[2:] == [
+        "response.output_item.added",  # before the first token: the name is known
+        *["response.function_call_arguments.delta"] * 3,
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.delta for e in events if e.type == "response.function_call_arguments.delta"] == words
+    assert events[-3].arguments == "".join(words) and events[-3].name == "get_weather"
+    assert final.output[0].name == "get_weather" and final.tool_choice.name == "get_weather"  # type: ignore[union-attr]
+    assert engine.calls[0][1].constraint == Constraint("json", WEATHER["parameters"])  # under its grammar
+
+
+def test_required_streams_each_call_as_its_own_item() -> None:
+    words = [
+        '[{"name": "get_weather", "arguments": ',
+        '{"city": "Oslo"}}, ',
+        '{"name": "get_time", ',
+        '"arguments": {}}]',
+    ]
+    http, engine = app(words)
+    events, final = streamed(http, input="Weather and time?", tools=[WEATHER, TIME], tool_choice="required")
+    items = [e for e in events if e.type in ("response.output_item.added", "response.output_item.done")]
+    assert [(e.type.rsplit(".", 1)[-1], e.output_index, e.item.name) for e in items] == [
+        ("added", 0, "get_weather"),
+        ("done", 0, "get_weather"),
+        ("added", 1, "get_time"),
+        ("done", 1, "get_time"),
+    ]
+    assert [(c.name, json.loads(c.arguments)) for c in final.output] == [  # type: ignore[union-attr]
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    constraint = engine.calls[0][1].constraint
+    assert constraint is not None and constraint.kind == "json" and constraint.value["type"] == "array"
+
+
+def test_a_tool_round_trip_through_previous_response_id() -> None:
+    http, engine = app(CALL)
+    client = sdk(http)
+    first = client.responses.create(model="base-model", input="Weather in Paris?", tools=[WEATHER])
+    call = first.output[0]
+    assert call.type == "function_call"
+    output: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "22 C, sunny"}]
+    client.responses.create(model="base-model", input=output, previous_response_id=first.id, tools=[WEATHER])
+    assert prompt_of(engine).endswith("user:Weather in Paris?\nassistant:\ntool:22 C, sunny\nmodel:")
+    # the same turn sent whole, without the store
+    items: Any = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "call_1",
+            "output": [{"type": "input_text", "text": "22 C"}],
+        },
+    ]
+    client.responses.create(model="base-model", input=items, tools=[WEATHER], store=False)
+    assert prompt_of(engine).endswith("assistant:\ntool:22 C\nmodel:")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{**WEATHER, "parameters": {"type": "array"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ],
+)
+def test_bad_tool_fields_are_400_with_param(fields: dict[str, Any], param: str) -> None:
+    http, engine = app(CALL)
+    body = {"model": "base-model", "input": "Hi", **fields}
+    r = http.post("/v1/responses", json=body, headers={"Authorization": "Bearer sk-alice-000000001"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert engine.calls == []
+
+
+def test_engine_failure_mid_call_is_response_failed_with_the_call_so_far() -> None:
+    engine = FailingEngine(words=['{"city": ', '"Paris"}'], max_model_len=1000)
+    choice: Any = {"type": "function", "name": "get_weather"}
+    events = list(
+        sdk(make_app(engine)).responses.create(
+            model="base-model", input="Hi", tools=[WEATHER], tool_choice=choice, stream=True
+        )
+    )
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    item = failed.response.output[0]
+    assert item.type == "function_call" and item.status == "incomplete" and item.arguments == '{"city": '
