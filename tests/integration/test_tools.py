@@ -246,7 +246,9 @@ def test_langchain_structured_output_function_calling(gateway: LiveGateway) -> N
     assert isinstance(result, Weather)
 
 
-def test_langchain_bind_tools_and_tool_message_round_trip(gateway: LiveGateway) -> None:
+@pytest.mark.parametrize("responses_api", [False, True], ids=["chat", "responses"])
+def test_langchain_bind_tools_and_tool_message_round_trip(gateway: LiveGateway, responses_api: bool) -> None:
+    """Over chat completions, and over /v1/responses (``use_responses_api``)."""
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -257,7 +259,13 @@ def test_langchain_bind_tools_and_tool_message_round_trip(gateway: LiveGateway) 
         return f"18 degrees and sunny in {city}"
 
     llm = ChatOpenAI(
-        base_url=gateway.v1, api_key=USER_KEY, model="base", max_tokens=40, temperature=0, max_retries=0
+        base_url=gateway.v1,
+        api_key=USER_KEY,
+        model="base",
+        max_tokens=40,
+        temperature=0,
+        max_retries=0,
+        use_responses_api=responses_api,
     )  # type: ignore[arg-type]
     ask = HumanMessage("What is the weather in Paris?")
     ai = llm.bind_tools([get_weather], tool_choice="get_weather").invoke([ask])
@@ -265,7 +273,9 @@ def test_langchain_bind_tools_and_tool_message_round_trip(gateway: LiveGateway) 
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
     result = ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
     answer = llm.bind_tools([get_weather], tool_choice="none").invoke([ask, ai, result])
-    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+    blocks = [answer.content] if isinstance(answer.content, str) else answer.content  # responses: blocks
+    text = "".join(b if isinstance(b, str) else b.get("text", "") for b in blocks)
+    assert text and not answer.tool_calls
 
 
 # -- 400s --------------------------------------------------------------------------------
