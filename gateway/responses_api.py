@@ -122,7 +122,7 @@ class ResponsesRequest(BaseModel):
 def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
     """``input`` as chat messages. Items are messages (OpenAI's easy form or typed form,
     output messages of an earlier response included) with text content only, function calls
-    (consecutive ones are one assistant message) and their outputs."""
+    (with the assistant text just before them, one assistant message) and their outputs."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
@@ -136,8 +136,8 @@ def input_messages(value: str | list[Any], param: str = "input") -> list[dict[st
         if kind == "function_call":
             call = _function_call(item, where)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the same answer's text or calls
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -150,6 +150,16 @@ def test_a_tool_round_trip_through_previous_response_id() -> None:
     ]
     client.responses.create(model="base-model", input=items, tools=[WEATHER], store=False)
     assert prompt_of(engine).endswith("assistant:\ntool:22 C\nmodel:")
+    # an answer of text and a call (as a Response's output lists them) is one assistant turn
+    said: Any = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "Let me see."}],
+    }
+    client.responses.create(
+        model="base-model", input=[items[0], said, *items[1:]], tools=[WEATHER], store=False
+    )
+    assert prompt_of(engine).endswith("user:Weather in Paris?\nassistant:Let me see.\ntool:22 C\nmodel:")
 
 
 @pytest.mark.parametrize(
