@@ -1,6 +1,7 @@
 """Tool calling against the live gateway with the real clients: the openai SDK (whole,
-streamed, its stream helper with ``pydantic_function_tool``), instructor in TOOLS mode and
-LangChain (``with_structured_output`` and ``bind_tools`` with a tool message round trip).
+streamed, its stream helper with ``pydantic_function_tool``), instructor in TOOLS and
+RESPONSES_TOOLS modes and LangChain (``with_structured_output`` and ``bind_tools`` with a
+tool message round trip, over chat and over /v1/responses).
 
 The embedded model is a 270M base model: forced calls (``required``, a named function) are
 generated under a grammar, so their arguments must parse and validate whatever it writes;
@@ -218,11 +219,13 @@ def test_tool_result_round_trip_gives_an_answer(client: openai.OpenAI, model: st
     assert_valid_auto_answer(auto.choices[0].message, auto.choices[0].finish_reason)
 
 
-def test_instructor_tools_mode_returns_the_model(gateway: LiveGateway) -> None:
+@pytest.mark.parametrize("mode", ["TOOLS", "RESPONSES_TOOLS"])
+def test_instructor_tools_mode_returns_the_model(gateway: LiveGateway, mode: str) -> None:
+    """TOOLS over chat completions; RESPONSES_TOOLS over /v1/responses (function tools)."""
     import instructor
 
     inst = instructor.from_openai(
-        openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY), mode=instructor.Mode.TOOLS
+        openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY), mode=instructor.Mode[mode]
     )
     person = inst.chat.completions.create(
         model="base",
