@@ -211,8 +211,8 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
                 param="tool_choice",
             )
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    if choice is not None:
-        out["tool_choice"] = choice
+    if choice is not None and (body.tools or choice not in ("auto", "none")):
+        out["tool_choice"] = choice  # "auto" or "none" with no tools changes nothing: not chat's 400
     if body.parallel_tool_calls is not None:
         out["parallel_tool_calls"] = body.parallel_tool_calls
     return out

@@ -50,6 +50,13 @@ def test_auto_answer_with_a_call_is_a_function_call_item() -> None:
     assert r.tool_choice == "auto" and r.parallel_tool_calls is True
 
 
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_a_tool_choice_that_changes_nothing_needs_no_tools(choice: str) -> None:
+    http, _ = app(["Hi", "!"])
+    r = sdk(http).responses.create(model="base-model", input="Hi", tool_choice=choice)  # type: ignore[arg-type]
+    assert r.output_text == "Hi!" and r.tools == []
+
+
 def test_auto_plain_answer_is_a_message_and_streams_at_once() -> None:
     http, _ = app(["Sunny", " today", "."])
     client = sdk(http)
