@@ -102,6 +102,7 @@ def test_pinned_preloaded_and_foreign_adapters(gateway: LiveGateway) -> None:
         # The engine's CPU cache was sized to the catalog (3 adapters + max_loras 4): all five
         # stay loaded, where vLLM's default (max_loras) would have evicted one of them.
         assert "engine.max_cpu_loras=7" in gateway.log.read_text()
+        assert admin(gateway)["slots"] == {"gpu": 4, "cpu": 7}
         five = {"shout", "json", "bullets", "warm", "foreign"}
         eventually(
             lambda: residency(gateway).keys() >= five and "not loaded" not in residency(gateway).values(),
