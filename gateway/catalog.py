@@ -72,6 +72,7 @@ class RoutingTable:
     errors: dict[str, str]
     _by_name: dict[str, Route] = field(default_factory=dict)
     _by_task: dict[str, Route] = field(default_factory=dict)
+    # When its catalog file was read (taken before the read: an edit during the build is later).
     loaded_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -119,15 +120,8 @@ def load_table(
     """Build a table from the catalog file. A broken file raises ``ConfigError``;
     a broken entry is left out and reported in ``table.errors``. With ``snapshots``, the
     engine is given a content-addressed copy of each adapter (``gateway.snapshots``)."""
-    try:
-        text = catalog_path.read_text()
-        if not text.strip():  # an editor's save truncates first: never read that as "no routes"
-            raise ConfigError(
-                f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)"
-            )
-        spec = CatalogFile.model_validate(yaml.safe_load(text) or {})
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
+    loaded_at = time.time()
+    spec = _read_spec(catalog_path)
     base = Route(
         name=base_name,
         kind="base",
@@ -157,15 +151,28 @@ def load_table(
             continue
         taken.update([route.name, *route.aliases])
         routes[route.name] = route
-    return RoutingTable(base=base, routes=routes, errors=errors)
+    return RoutingTable(base=base, routes=routes, errors=errors, loaded_at=loaded_at)
+
+
+def _read_spec(catalog_path: Path) -> CatalogFile:
+    """The catalog file, validated against its schema; ``ConfigError`` if it cannot be."""
+    try:
+        text = catalog_path.read_text()
+        if not text.strip():  # an editor's save truncates first: never read that as "no routes"
+            raise ConfigError(
+                f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)"
+            )
+        return CatalogFile.model_validate(yaml.safe_load(text) or {})
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
 
 
 def adapter_dirs(catalog_path: Path, adapters_root: Path) -> list[Path]:
     """The adapter folders the catalog file names, as far as they can be read now (for
     sizing the engine before the catalog is loaded; ``load_table`` reports what is wrong)."""
     try:
-        spec = CatalogFile.model_validate(yaml.safe_load(catalog_path.read_text()) or {})
-    except (OSError, yaml.YAMLError, ValidationError):
+        spec = _read_spec(catalog_path)
+    except ConfigError:
         return []
     dirs = []
     for item in spec.routes:
@@ -289,7 +296,6 @@ class Catalog:
         self._remove_lora = remove_lora
         self._add_lora = add_lora
         self._ids = LoraIds()
-        self.read_at = time.time()  # when the files behind the table were read (wall clock)
         self.table = build(self._ids)
         self.last_error: str | None = None
         self.reloads = 0
@@ -342,7 +348,6 @@ class Catalog:
 
     def reload(self) -> bool:
         """Build a new table and swap it in; on failure keep serving the last good one."""
-        read_at = time.time()
         try:
             table = self._build(self._ids)
         except ConfigError as exc:
@@ -359,7 +364,7 @@ class Catalog:
         self._retired.difference_update(live)
         # A version that comes back (files restored) before it left the engine stays.
         self._pending_removal = [i for i in self._pending_removal if i not in live]
-        self.table, self.read_at = table, read_at
+        self.table = table
         self.last_error = "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
         self.reloads += 1
         log.info("catalog reloaded: %d routes, %d rejected", len(table.routes), len(table.errors))

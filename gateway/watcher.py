@@ -98,7 +98,7 @@ class CatalogWatcher:
         ):
             if not self.watching.is_set():
                 self.watching.set()
-                missed = self.changed_since(self.catalog.read_at)
+                missed = self.changed_since(self.catalog.table.loaded_at)
                 if missed:
                     log.info("catalog files changed while the gateway started: %s", missed)
                     self.reload_now.set()

@@ -8,6 +8,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ async def watching(tmp_path: Path, before: Callable[[Rig], None] | None = None) 
     rig = Rig(tmp_path)
     # The rig wrote its files just now: count them as read (the watcher allows a second of
     # file system clock slack before the read, and would reload once).
-    rig.catalog.read_at = time.time() + 1.0
+    rig.catalog.table = replace(rig.catalog.table, loaded_at=time.time() + 1.0)
     time.sleep(0.05)  # file times come from a coarse clock, a tick behind time.time()
     if before is not None:
         before(rig)
