@@ -152,7 +152,7 @@ class ResponseDraft:
     def whole(self, result: Collected) -> dict[str, Any]:
         choice = result.choices[0]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        output = self.items("".join(choice.text), "incomplete" if status == "incomplete" else "completed")
+        output = self.items("".join(choice.text), status)
         return self.render(status, output, (result.prompt_tokens, result.completion_tokens))
 
     def items(self, text: str, status: str) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ class _Item:
 
     def render(self, draft: ResponseDraft, status: str) -> dict[str, Any]:
         if self.kind == "message":
-            return {**draft.message("".join(self.parts), status), "id": self.id}
+            return draft.message("".join(self.parts), status)  # its id is the draft's message_id
         return function_call(self.id, self.call_id, self.name, "".join(self.parts), status)
 
 
