@@ -28,6 +28,17 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _cpu_cache(engine: dict[str, Any]) -> str:
+    if "max_cpu_loras" not in engine:  # runs before the setting was recorded
+        return ""
+    if engine["max_cpu_loras"] is None:
+        return (
+            ", max_cpu_loras each server's default (vLLM's server: max_loras; the gateway: "
+            "sized to its catalog)"
+        )
+    return f", max_cpu_loras {engine['max_cpu_loras']} (both)"
+
+
 def passes(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
     """The points of each (target, mix, concurrency): one per pass of that server."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -238,7 +249,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"load_format {m['engine']['load_format'] or 'weights'}, max_num_seqs {m['engine']['max_num_seqs']}, "
         f"max_num_batched_tokens {m['engine']['max_num_batched_tokens']}, max_model_len {m['engine']['max_model_len']}, "
         f"max_loras {m['engine']['max_loras']}"
-        + (f", max_cpu_loras {m['engine']['max_cpu_loras']}" if m["engine"].get("max_cpu_loras") else "")
+        + _cpu_cache(m["engine"])
         + f", {len(m['engine']['adapters'])} random rank-{m['adapter_rank']} adapters",
         f"- shape: {shape_line(m.get('shape', 'plain'))}",
         f"- load: streaming /v1/chat/completions, {m['prompt_tokens']} prompt tokens (chat template included), "

@@ -188,7 +188,8 @@ class Bench:
             max_num_batched_tokens=p["max_num_batched_tokens"],
             max_loras=max_loras,
             max_lora_rank=p["max_lora_rank"],
-            max_cpu_loras=max_loras,  # vLLM's default, on both servers
+            # vLLM's default, on both servers; or neither is told (each keeps its own default)
+            max_cpu_loras=max_loras if self.args.cpu_cache == "same" else None,
             load_format=p["load_format"],
             adapters={n: str(d) for n, d in zip(names, dirs, strict=True)},
             gpu_memory_utilization=self.args.gpu_memory_utilization,
@@ -562,6 +563,14 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="a gateway setting for the whole run, passed as `--set KEY=VALUE` (repeatable; e.g. "
         "limits.lora_quantum_s=2 to measure a knob against vLLM's server)",
+    )
+    ap.add_argument(
+        "--cpu-cache",
+        choices=("same", "defaults"),
+        default="same",
+        help="the engines' CPU cache of adapters (max_cpu_loras): 'same' gives both servers max_loras "
+        "(vLLM's default: the comparison is of the scheduling); 'defaults' gives neither the flag, so "
+        "vLLM's server keeps max_loras and the gateway sizes it to its catalog (out of the box)",
     )
     ap.add_argument(
         "--pyspy", help="path of a py-spy binary: profile each server's front end in an extra pass"

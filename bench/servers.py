@@ -44,7 +44,8 @@ class EngineSpec:
     max_lora_rank: int
     # Given to both: the gateway sizes its CPU cache to the catalog when left out, vLLM's
     # server keeps max_loras; the same cache on both compares the scheduling, not the cache.
-    max_cpu_loras: int
+    # None (run.py --cpu-cache defaults): neither server gets the flag, each keeps its default.
+    max_cpu_loras: int | None
     load_format: str | None = None
     adapters: dict[str, str] = field(default_factory=dict)  # name -> directory
     gpu_memory_utilization: float | None = None  # --together: two servers share one GPU
@@ -60,9 +61,10 @@ class EngineSpec:
             enable_lora=True,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_cpu_loras,
             seed=0,
         )
+        if self.max_cpu_loras is not None:
+            kw["max_cpu_loras"] = self.max_cpu_loras
         if self.load_format:
             kw["load_format"] = self.load_format
         if self.gpu_memory_utilization:
@@ -82,8 +84,9 @@ def _shared_flags(spec: EngineSpec, port: int) -> list[str]:
         "--max-num-seqs", str(spec.max_num_seqs),
         "--max-loras", str(spec.max_loras),
         "--max-lora-rank", str(spec.max_lora_rank),
-        "--max-cpu-loras", str(spec.max_cpu_loras),
     ]  # fmt: skip
+    if spec.max_cpu_loras is not None:
+        flags += ["--max-cpu-loras", str(spec.max_cpu_loras)]
     if spec.load_format:
         flags += ["--load-format", spec.load_format]
     if spec.gpu_memory_utilization:

@@ -1,0 +1,44 @@
+"""bench/servers.py: both servers' command lines carry the same engine settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.servers import EngineSpec, gateway_command, vllm_command
+
+
+def _spec(max_cpu_loras: int | None) -> EngineSpec:
+    return EngineSpec(
+        model="/m",
+        served_name="base",
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
+        max_loras=2,
+        max_lora_rank=8,
+        max_cpu_loras=max_cpu_loras,
+    )
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+@pytest.mark.parametrize("max_cpu_loras", [2, 16])
+def test_a_cpu_cache_size_reaches_both_servers_and_the_ceiling(max_cpu_loras: int) -> None:
+    spec = _spec(max_cpu_loras)
+    vllm = vllm_command(spec, 8801)
+    gateway = gateway_command(spec, 8802, Path("/c.yaml"), Path("/a"))
+    assert _flag(vllm, "--max-cpu-loras") == _flag(gateway, "--max-cpu-loras") == str(max_cpu_loras)
+    assert spec.engine_kwargs()["max_cpu_loras"] == max_cpu_loras
+
+
+def test_with_no_cpu_cache_size_each_server_keeps_its_default() -> None:
+    spec = _spec(None)
+    assert "--max-cpu-loras" not in vllm_command(spec, 8801)
+    assert "--max-cpu-loras" not in gateway_command(spec, 8802, Path("/c.yaml"), Path("/a"))
+    assert "max_cpu_loras" not in spec.engine_kwargs()
+    assert _flag(vllm_command(spec, 8801), "--max-loras") == "2"
