@@ -139,6 +139,7 @@ class EngineManager:
             if s.max_cpu_loras is not None:
                 args["max_cpu_loras"] = s.max_cpu_loras
         args.update(s.engine_args)
+        args["structured_outputs_config"] = one_grammar_backend(args.get("structured_outputs_config"))
         args.setdefault("disable_log_stats", False)
         log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if v is not None})
         # The server usage context gives the same defaults as `vllm serve` (e.g. a larger
@@ -276,6 +277,24 @@ class EngineManager:
 
 
 # -- conversions to and from vLLM types ------------------------------------------------
+def one_grammar_backend(config: Any) -> Any:
+    """``structured_outputs_config`` with a named grammar backend: xgrammar unless the
+    operator names another. vLLM's V1 engine builds one backend, for the first structured
+    request, and compiles every later constraint with it. Under ``auto`` (vLLM's default) a
+    constraint that xgrammar refuses is checked by llguidance or outlines instead and then
+    compiled by the engine's xgrammar anyway, which ignores what it cannot enforce (a
+    ``maxLength`` next to a ``pattern``: answers that break the schema) or fails the request
+    after its 200. Named, the backend that checks a constraint is the one that enforces it:
+    what it cannot enforce is a 400."""
+    if config is None:
+        config = {}
+    if isinstance(config, dict):
+        return config if config.get("backend", "auto") != "auto" else {**config, "backend": "xgrammar"}
+    if getattr(config, "backend", None) == "auto":  # a StructuredOutputsConfig from Python
+        config.backend = "xgrammar"
+    return config
+
+
 def _sampling_params(s: SamplingSpec) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from gateway.engine import EngineManager, _sampling_params
+from gateway.engine import EngineManager, _sampling_params, one_grammar_backend
 from gateway.errors import InvalidRequest
 from gateway.settings import EngineSettings
 from gateway.types import Constraint, SamplingSpec
@@ -69,3 +69,31 @@ def test_vllm_sampling_extensions_become_sampling_params() -> None:
     params = _sampling_params(spec)
     assert (params.min_p, params.stop_token_ids, params.include_stop_str_in_output) == (0.2, [5, 6], True)
     assert _sampling_params(SamplingSpec(max_tokens=4)).stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("given", "backend"),
+    [
+        (None, "xgrammar"),
+        ({}, "xgrammar"),
+        ({"backend": "auto", "disable_any_whitespace": True}, "xgrammar"),
+        ({"backend": "guidance"}, "guidance"),
+    ],
+)
+def test_the_engine_gets_one_named_grammar_backend(given: Any, backend: str) -> None:
+    # Under "auto" the engine core compiles with the backend of the first structured request,
+    # whichever backend checked a later one: the gateway names it, so the check is the enforcer.
+    config = one_grammar_backend(given)
+    assert config["backend"] == backend
+    assert {k: v for k, v in config.items() if k != "backend"} == {
+        k: v for k, v in (given or {}).items() if k != "backend"
+    }
+
+
+def test_a_python_structured_outputs_config_is_named_too() -> None:
+    from vllm.config import StructuredOutputsConfig
+
+    given = StructuredOutputsConfig()
+    assert given.backend == "auto"
+    assert one_grammar_backend(given) is given and given.backend == "xgrammar"
+    assert one_grammar_backend(StructuredOutputsConfig(backend="guidance")).backend == "guidance"
