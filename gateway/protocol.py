@@ -194,8 +194,17 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
-        if (self.model_extra or {}).get("echo") not in (None, False):
+        extra = self.model_extra or {}
+        if extra.get("echo") not in (None, False):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
+        # OpenAI's audio answers and web search: the model here writes text and searches
+        # nothing, so a request for them is refused, not answered without them.
+        modalities = extra.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise InvalidRequest("modalities: this model answers in text only (['text'])", param="modalities")
+        for name in ("audio", "web_search_options"):  # ``{}`` asks for web search with its defaults
+            if extra.get(name) is not None:
+                raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
         return self
 
     @field_validator("messages")

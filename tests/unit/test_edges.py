@@ -67,6 +67,24 @@ def test_echo_true_is_not_mistaken_for_one() -> None:
     assert chat(best_of=1).n == 1
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("modalities", ["text", "audio"]),
+        ("modalities", ["audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("web_search_options", {}),  # web search with its defaults
+        ("web_search_options", {"search_context_size": "low"}),
+    ],
+)
+def test_audio_answers_and_web_search_are_refused_on_chat(name: str, value: Any) -> None:
+    assert refused(chat, **{name: value}) == name
+
+
+def test_text_modality_and_absent_options_are_accepted() -> None:
+    assert chat(modalities=["text"], audio=None, web_search_options=None).messages
+
+
 def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
     assert refused(chat, top_logprobs=2) == "top_logprobs"
     assert chat(top_logprobs=0).num_logprobs is None
