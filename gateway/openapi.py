@@ -109,6 +109,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("DELETE", "/v1/responses/{response_id}"): Operation(
         "Delete a stored response of this key", {JSON: "DeletedResponse"}, None, _KEYED + (404,)
     ),
+    ("GET", "/v1/responses/{response_id}/input_items"): Operation(
+        "List a stored response's input items (query: after, limit, order)",
+        {JSON: "ResponseItemList"},
+        None,
+        _KEYED + (400, 404),
+    ),
     ("POST", "/tokenize"): Operation(
         "Tokenize a prompt or chat messages (vLLM)",
         {JSON: "TokenizeResponse"},
@@ -240,6 +246,14 @@ _RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
     ),
     "DeletedResponse": _obj(
         ("id", "object", "deleted"), id=_STRING, object=_const("response"), deleted={"type": "boolean"}
+    ),
+    "ResponseItemList": _obj(
+        ("object", "data", "first_id", "last_id", "has_more"),
+        object=_const("list"),
+        data={"type": "array", "items": _OBJECT},
+        first_id=_NULLABLE_STRING,
+        last_id=_NULLABLE_STRING,
+        has_more={"type": "boolean"},
     ),
     "Model": _obj(
         ("id", "object", "created", "owned_by"),

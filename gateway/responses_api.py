@@ -282,3 +282,65 @@ def format_echo(fmt: TextFormat) -> dict[str, Any]:
         "description": fmt.description,
         "strict": fmt.strict,
     }
+
+
+# -- GET /v1/responses/{id}/input_items ---------------------------------------------------
+def input_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation a stored response answered (earlier turns included, its
+    instructions not), as Responses input items in conversation order. Items get ids made
+    from the response's, stable across reads, so ``after`` can page through them."""
+    stem = response_id.removeprefix("resp_")
+    items: list[dict[str, Any]] = []
+
+    def add(prefix: str, item: dict[str, Any]) -> None:
+        items.append({"id": f"{prefix}_{stem}{len(items):04d}", **item, "status": "completed"})
+
+    for m in messages:
+        role = m["role"]
+        if role == "tool":
+            add("fco", {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+            continue
+        if m.get("content") or not m.get("tool_calls"):
+            text = m.get("content") or ""
+            part: dict[str, Any] = {"type": "input_text", "text": text}
+            if role == "assistant":
+                part = {"type": "output_text", "text": text, "annotations": []}
+            add("msg", {"type": "message", "role": role, "content": [part]})
+        for call in m.get("tool_calls") or ():
+            fn = call["function"]
+            add(
+                "fc",
+                {
+                    "type": "function_call",
+                    "call_id": call["id"],
+                    "name": fn["name"],
+                    "arguments": fn["arguments"],
+                },
+            )
+    return items
+
+
+def items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
+    """One page of ``items`` as OpenAI lists them: ``order`` (``desc``, the default, or
+    ``asc``), ``after`` (an item id), ``limit`` (1 to 100, default 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+    raw_limit = query.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise InvalidRequest(f"no input item of this response has the id '{after[:80]}'", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(raw_limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > len(page),
+    }

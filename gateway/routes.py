@@ -24,7 +24,15 @@ from gateway.openapi import openapi_json
 from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
 from gateway.responses import SSEResponse, collect_unless_gone, read_json, route_headers
-from gateway.responses_api import ResponsesRequest, chat_request, constraint, input_messages, rename_param
+from gateway.responses_api import (
+    ResponsesRequest,
+    chat_request,
+    constraint,
+    input_items,
+    input_messages,
+    items_page,
+    rename_param,
+)
 from gateway.responses_events import ResponseDraft, ResponseEventEncoder, assistant_turn, stream_events
 from gateway.responses_tools import ResponseToolEncoder
 from gateway.service import Collected, Generation
@@ -153,6 +161,14 @@ async def delete_response(request: Request) -> Response:
     if not await _gateway(request).responses.delete(_owner(request), response_id):
         raise NotFound(f"Response with id '{response_id[:80]}' not found.", param="response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def response_input_items(request: Request) -> Response:
+    """The input items of a stored response (the conversation it answered), a page at a time."""
+    response_id = request.path_params["response_id"]
+    stored = await _stored(request, response_id, "response_id")
+    items = input_items(response_id, stored.history[:-1])  # the last turn is the response's own
+    return JSONResponse(items_page(items, dict(request.query_params)))
 
 
 def _owner(request: Request) -> str:
@@ -358,6 +374,7 @@ ROUTES = [
     HttpRoute("/chat", house_chat, methods=["POST"]),
     HttpRoute("/v1/responses", create_response, methods=["POST"]),
     HttpRoute("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
+    HttpRoute("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
     HttpRoute("/tokenize", tokenize, methods=["POST"]),
     HttpRoute("/detokenize", detokenize, methods=["POST"]),
     HttpRoute("/v1/models", list_models, methods=["GET"]),

@@ -133,6 +133,14 @@ def test_previous_response_id_continues_and_other_keys_cannot(
     # the second prompt holds the first turn (input and output) before the new one
     assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens + 4
     assert client.responses.retrieve(second.id).output_text == second.output_text
+    items = client.responses.input_items.list(second.id, order="asc").to_dict()["data"]
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [
+        ("user", "My name is Ada."),
+        ("assistant", first.output_text),
+        ("user", "What is my name?"),
+    ]
+    with pytest.raises(openai.NotFoundError):
+        other.responses.input_items.list(second.id)
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):

@@ -163,6 +163,77 @@ def test_retrieve_and_delete_are_per_key(http_nolife: TestClient) -> None:
         alice.responses.retrieve(made.id)
 
 
+def test_input_items_list_the_conversation_a_response_answered(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    first = client.responses.create(model="base-model", input="One", instructions="Rules.")
+    second = client.responses.create(model="base-model", input="Two", previous_response_id=first.id)
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, getattr(i, "role", None)) for i in items.data] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    texts = [i.content[0].text for i in items.data]  # type: ignore[union-attr]
+    assert texts == ["One", "Hello world!", "Two"]  # the instructions are not an item (OpenAI's rule)
+    assert [i.content[0].type for i in items.data] == ["input_text", "output_text", "input_text"]  # type: ignore[union-attr]
+    newest_first = client.responses.input_items.list(second.id)  # OpenAI's default order: desc
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(items.data)]
+    assert len({i.id for i in items.data}) == 3
+    assert [i.id for i in client.responses.input_items.list(second.id, order="asc").data] == [
+        i.id for i in items.data
+    ]  # stable across reads
+
+
+def test_input_items_page_with_after_and_limit(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    made = client.responses.create(
+        model="base-model", input=[{"role": "user", "content": f"m{k}"} for k in range(5)]
+    )
+    page = client.responses.input_items.list(made.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["m0", "m1"] and page.has_more  # type: ignore[union-attr]
+    assert page.first_id == page.data[0].id and page.last_id == page.data[1].id
+    every = [i.content[0].text for i in client.responses.input_items.list(made.id, order="asc", limit=2)]  # type: ignore[union-attr]
+    assert every == ["m0", "m1", "m2", "m3", "m4"]  # the SDK follows ``after`` page by page
+    last = client.responses.input_items.list(made.id, order="asc", after=page.data[1].id, limit=10)
+    assert len(last.data) == 3 and not last.has_more
+
+
+def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    made = client.responses.create(
+        model="base-model",
+        input=[{"role": "user", "content": "Use f."}, call, output],  # type: ignore[list-item]
+    )
+    items = client.responses.input_items.list(made.id, order="asc").to_dict()["data"]
+    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output"]
+    assert {k: items[1][k] for k in ("call_id", "name", "arguments")} == {
+        "call_id": "c1",
+        "name": "f",
+        "arguments": "{}",
+    }
+    assert (items[2]["call_id"], items[2]["output"]) == ("c1", "42")
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"), ("after=x", "after")],
+)
+def test_input_items_bad_queries_are_400(http_nolife: TestClient, query: str, param: str) -> None:
+    made = sdk(http_nolife).responses.create(model="base-model", input="Hi")
+    r = http_nolife.get(
+        f"/v1/responses/{made.id}/input_items?{query}", headers={"Authorization": f"Bearer {ALICE}"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_input_items_are_per_key(http_nolife: TestClient) -> None:
+    made = sdk(http_nolife, ALICE).responses.create(model="base-model", input="secret")
+    with pytest.raises(openai.NotFoundError):
+        sdk(http_nolife, BOB).responses.input_items.list(made.id)
+
+
 def test_store_false_keeps_nothing(http_nolife: TestClient) -> None:
     client = sdk(http_nolife)
     made = client.responses.create(model="base-model", input="Hi", store=False)
