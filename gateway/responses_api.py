@@ -284,42 +284,7 @@ def format_echo(fmt: TextFormat) -> dict[str, Any]:
     }
 
 
-# -- GET /v1/responses/{id}/input_items ---------------------------------------------------
-def input_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation a stored response answered (earlier turns included, its
-    instructions not), as Responses input items in conversation order. Items get ids made
-    from the response's, stable across reads, so ``after`` can page through them."""
-    stem = response_id.removeprefix("resp_")
-    items: list[dict[str, Any]] = []
-
-    def add(prefix: str, item: dict[str, Any]) -> None:
-        items.append({"id": f"{prefix}_{stem}{len(items):04d}", **item, "status": "completed"})
-
-    for m in messages:
-        role = m["role"]
-        if role == "tool":
-            add("fco", {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
-            continue
-        if m.get("content") or not m.get("tool_calls"):
-            text = m.get("content") or ""
-            part: dict[str, Any] = {"type": "input_text", "text": text}
-            if role == "assistant":
-                part = {"type": "output_text", "text": text, "annotations": []}
-            add("msg", {"type": "message", "role": role, "content": [part]})
-        for call in m.get("tool_calls") or ():
-            fn = call["function"]
-            add(
-                "fc",
-                {
-                    "type": "function_call",
-                    "call_id": call["id"],
-                    "name": fn["name"],
-                    "arguments": fn["arguments"],
-                },
-            )
-    return items
-
-
+# -- GET /v1/responses/{id}/input_items: one page (the items: responses_events.input_items) --
 def items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
     """One page of ``items`` as OpenAI lists them: ``order`` (``desc``, the default, or
     ``asc``), ``after`` (an item id), ``limit`` (1 to 100, default 20)."""

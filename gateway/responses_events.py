@@ -75,6 +75,34 @@ def assistant_turn(response: dict[str, Any]) -> dict[str, Any]:
     return turn
 
 
+def input_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation a stored response answered (earlier turns included, its
+    instructions not; ``assistant_turn`` read back), as Responses input items in
+    conversation order. Items get ids made from the response's, stable across reads, so
+    ``after`` can page through them."""
+    stem = response_id.removeprefix("resp_")
+    items: list[dict[str, Any]] = []
+
+    def next_id(prefix: str) -> str:
+        return f"{prefix}_{stem}{len(items):04d}"
+
+    for m in messages:
+        role = m["role"]
+        if role == "tool":
+            item = {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]}
+            items.append({"id": next_id("fco"), **item, "status": "completed"})
+            continue
+        if m.get("content") or not m.get("tool_calls"):
+            text = m.get("content") or ""
+            part = text_part(text) if role == "assistant" else {"type": "input_text", "text": text}
+            message = {"type": "message", "role": role, "content": [part], "status": "completed"}
+            items.append({"id": next_id("msg"), **message})
+        for call in m.get("tool_calls") or ():
+            fn = call["function"]
+            items.append(function_call(next_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"))
+    return items
+
+
 def function_call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "type": "function_call",

@@ -28,12 +28,17 @@ from gateway.responses_api import (
     ResponsesRequest,
     chat_request,
     constraint,
-    input_items,
     input_messages,
     items_page,
     rename_param,
 )
-from gateway.responses_events import ResponseDraft, ResponseEventEncoder, assistant_turn, stream_events
+from gateway.responses_events import (
+    ResponseDraft,
+    ResponseEventEncoder,
+    assistant_turn,
+    input_items,
+    stream_events,
+)
 from gateway.responses_tools import ResponseToolEncoder
 from gateway.service import Collected, Generation
 from gateway.sse import (
