@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import TypeVar
@@ -59,9 +60,20 @@ async def read_json(request: Request, model: type[M], max_bytes: int, any_type: 
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
         message = err["msg"].removeprefix("Value error, ")
         raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
+
+
+# How pydantic names the member of a union in an error's location ("input.constrained-str").
+_MEMBER = re.compile(
+    r"(constrained-)?(str|int|float|bool|none)|(list|dict|tuple|set|function-\w+|nullable)\[.*\]"
+)
+
+
+def _union_member(part: str | int) -> bool:
+    """A union member's name, or ``[key]`` (a dict key's error): not a field."""
+    return isinstance(part, str) and (part == "[key]" or _MEMBER.fullmatch(part) is not None)
 
 
 def _is_json(content_type: str) -> bool:

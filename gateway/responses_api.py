@@ -14,16 +14,28 @@ checks, template and grammar apply. Other tool types (web search, file search, M
 are refused with a 400 naming the tool.
 
 Fields that would change the answer but are not implemented (reasoning, include,
-background, conversation, prompt, ...) are refused with a 400 naming the field; other
-unknown fields are ignored, as for chat.
+background, conversation, prompt, moderation, ...) are refused with a 400 naming the field,
+and so are chat's spellings of what the Responses API names otherwise (``max_tokens``,
+``response_format``, ``messages``, ...), with the field to use. Every other field goes on to
+the chat request, so it is honoured or refused as chat does it: vLLM's sampling extensions
+(``top_k``, ``min_p``, ``stop``, ``logit_bias``, ``structured_outputs``, ...) work, its
+unimplemented ones are 400s, and unknown fields are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from jsonschema import Draft202012Validator, SchemaError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest
@@ -41,18 +53,30 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "reasoning": (),
     "truncation": ("disabled",),
     "max_tool_calls": (),
-    "logit_bias": (),
+    "moderation": (),
+    "context_management": (),
+    "echo": (),
 }
-# The chat path's sampling extensions (vLLM's too), passed through and validated there.
-_SAMPLING_EXTRAS = (
-    "top_k",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
+_TOOL_CHOICE = "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
+# Chat completions' names for what a Responses request says otherwise: refused (a request
+# that sends them means them), naming the field to use.
+_CHAT_SPELLINGS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "logprobs": "top_logprobs",
+    "functions": "tools",
+    "function_call": "tool_choice",
+}
+# Responses fields that do not change the answer and that chat does not take.
+_NOT_PASSED = (
+    "stream_options",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "n",
 )
 
 
@@ -92,15 +116,36 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     text: TextConfig = Field(default_factory=TextConfig)
-    stream: bool = False
-    store: bool = True  # OpenAI's default
+    stream: bool = False  # null: the default
+    store: bool = True  # OpenAI's default; null: the default
     previous_response_id: str | None = Field(None, max_length=256)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = (
+        Field(None, max_length=16)
+    )
     user: str | None = Field(None, max_length=256)
     tools: list[Any] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # only read with include=[...logprobs]
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_type(cls, value: Any) -> Any:
+        if not isinstance(value, str | list):
+            raise ValueError("input must be a string or a list of input items")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_type(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str | dict):
+            raise ValueError(_TOOL_CHOICE)
+        return value
+
+    @field_validator("stream", "store", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name or ""].default if value is None else value
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
@@ -109,14 +154,24 @@ class ResponsesRequest(BaseModel):
         for name, allowed in _UNSUPPORTED.items():
             if not _unused(extra.get(name), allowed):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
-        if extra.get("n", 1) != 1:
+        for name, instead in _CHAT_SPELLINGS.items():
+            if not _unused(extra.get(name), ()):
+                raise InvalidRequest(
+                    f"'{name}' is a chat completions field; /v1/responses takes '{instead}'", param=name
+                )
+        if extra.get("n", 1) not in (1, None):
             raise InvalidRequest("a response has one output: 'n' must be 1", param="n")
+        if self.text.format.type != "text" and extra.get("structured_outputs") is not None:
+            raise InvalidRequest(
+                "give either 'text.format' or 'structured_outputs', not both", param="structured_outputs"
+            )
         return self
 
     @property
-    def sampling_extras(self) -> dict[str, Any]:
-        extra = self.model_extra or {}
-        return {name: extra[name] for name in _SAMPLING_EXTRAS if extra.get(name) is not None}
+    def chat_extras(self) -> dict[str, Any]:
+        """The fields this model does not declare, for the chat request to honour or refuse."""
+        skip = (*_UNSUPPORTED, *_CHAT_SPELLINGS, *_NOT_PASSED)
+        return {name: value for name, value in (self.model_extra or {}).items() if name not in skip}
 
 
 def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
@@ -206,10 +261,7 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
     choice = body.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise InvalidRequest(
-                "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
-                param="tool_choice",
-            )
+            raise InvalidRequest(_TOOL_CHOICE, param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None and (body.tools or choice not in ("auto", "none")):
         out["tool_choice"] = choice  # "auto" or "none" with no tools changes nothing: not chat's 400
@@ -234,7 +286,7 @@ def chat_request(
             top_p=body.top_p,
             stream=body.stream,
             **chat_tools(body),
-            **body.sampling_extras,
+            **body.chat_extras,
         )
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -292,7 +344,10 @@ def items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, 
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
     raw_limit = query.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if (
+        not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 3)
+        or not 1 <= int(raw_limit) <= 100
+    ):
         raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
     ordered = items if order == "asc" else items[::-1]
     after = query.get("after")

@@ -157,6 +157,14 @@ async def response_by_id(request: Request) -> Response:
 
 
 async def get_response(request: Request) -> Response:
+    query = request.query_params
+    if query.get("stream", "false").lower() not in ("false", "0"):
+        raise InvalidRequest(
+            "streaming a stored response again is not supported by this gateway", param="stream"
+        )
+    for name in ("starting_after", "include", "include[]"):
+        if query.get(name):
+            raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name.removesuffix("[]"))
     stored = await _stored(request, request.path_params["response_id"], "response_id")
     return JSONResponse(stored.response)
 

@@ -218,7 +218,14 @@ def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
 
 @pytest.mark.parametrize(
     ("query", "param"),
-    [("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"), ("after=x", "after")],
+    [
+        ("limit=0", "limit"),
+        ("limit=101", "limit"),
+        ("limit=%C2%B2", "limit"),  # '²': a digit to str.isdigit, not to int()
+        ("limit=" + "1" * 5000, "limit"),  # over int()'s digit limit
+        ("order=up", "order"),
+        ("after=x", "after"),
+    ],
 )
 def test_input_items_bad_queries_are_400(http_nolife: TestClient, query: str, param: str) -> None:
     made = sdk(http_nolife).responses.create(model="base-model", input="Hi")
@@ -288,6 +295,26 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
         ({"input": "x" * 2000}, "input"),
         ({"input": []}, "input"),
         ({"input": [{"role": "system", "content": "only rules"}]}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": None}, "input"),
+        ({"tool_choice": 5}, "tool_choice"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+        ({"moderation": {"policy": {"input": {"mode": "block"}}}}, "moderation"),
+        ({"context_management": [{"type": "compaction", "compact_threshold": 10}]}, "context_management"),
+        # vLLM's unimplemented fields and its legacy spellings, as on chat
+        ({"bad_words": ["Hello"]}, "bad_words"),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        # chat's spellings of Responses fields
+        ({"max_tokens": 5}, "max_tokens"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
+        ({"logprobs": True}, "logprobs"),
+        (
+            {"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a+"}},
+            "structured_outputs",
+        ),
     ],
 )
 def test_unsupported_fields_are_400(http_nolife: TestClient, extra: dict[str, Any], param: str) -> None:
@@ -353,6 +380,42 @@ def test_chat_sampling_extensions_pass_through(http_nolife: TestClient, engine: 
     sdk(http_nolife).responses.create(model="base-model", input="Hi", extra_body=extra)
     sampling = engine.calls[0][1]
     assert (sampling.seed, sampling.stop, sampling.top_k, sampling.repetition_penalty) == (7, ("x",), 5, 1.2)
+    extra = {"min_p": 0.5, "stop_token_ids": [5], "include_stop_str_in_output": True, "logit_bias": {"7": 3}}
+    sdk(http_nolife).responses.create(model="base-model", input="Hi", extra_body=extra)
+    sampling = engine.calls[1][1]
+    assert (sampling.min_p, sampling.stop_token_ids, sampling.include_stop_str_in_output) == (0.5, (5,), True)
+    assert sampling.logit_bias == ((7, 3.0),)
+
+
+def test_structured_outputs_constrain_decoding_as_on_chat(
+    http_nolife: TestClient, engine: ReadyEngine
+) -> None:
+    sdk(http_nolife).responses.create(
+        model="base-model", input="Hi", extra_body={"structured_outputs": {"regex": "a+"}}
+    )
+    assert engine.calls[0][1].constraint == Constraint("regex", "a+")
+
+
+def test_null_stream_and_store_are_their_defaults(http_nolife: TestClient) -> None:
+    client = sdk(http_nolife)
+    made = client.responses.create(model="base-model", input="Hi", store=None, stream=None)  # type: ignore[call-overload]
+    assert client.responses.retrieve(made.id).id == made.id  # stored: store defaults to true
+
+
+@pytest.mark.parametrize(
+    "query", ["stream=true", "starting_after=3", "include[]=message.output_text.logprobs"]
+)
+def test_retrieve_refuses_what_it_does_not_do(http_nolife: TestClient, query: str) -> None:
+    made = sdk(http_nolife).responses.create(model="base-model", input="Hi")
+    r = http_nolife.get(f"/v1/responses/{made.id}?{query}", headers={"Authorization": f"Bearer {ALICE}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == query.split("=")[0].removesuffix("[]")
+    with pytest.raises(openai.BadRequestError):
+        list(sdk(http_nolife).responses.retrieve(made.id, stream=True))
+    ok = http_nolife.get(
+        f"/v1/responses/{made.id}?stream=false", headers={"Authorization": f"Bearer {ALICE}"}
+    )
+    assert ok.status_code == 200
 
 
 def test_output_items_of_a_response_can_be_sent_back_as_input(
