@@ -7,9 +7,18 @@ Per-chunk streaming bytes are built in ``sse``.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.errors import InvalidRequest
 from gateway.tools import ToolCall, ToolChoice, ToolDef
@@ -33,13 +42,20 @@ class _Request(BaseModel):
         extra = self.model_extra or {}
         for name in ("functions", "function_call"):  # OpenAI's deprecated forms of tools
             if extra.get(name) not in (None, [], "none"):
-                raise ValueError(f"'{name}' is deprecated and not supported; use 'tools' and 'tool_choice'")
+                raise InvalidRequest(
+                    f"'{name}' is deprecated and not supported; use 'tools' and 'tool_choice'", param=name
+                )
         for name in self._unsupported:
             if not _harmless(extra.get(name)):
-                raise ValueError(f"'{name}' is not supported by this gateway")
+                raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
         for name in VLLM_UNIMPLEMENTED:
             if not _asks_nothing(extra.get(name)):
                 raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
+        for name, default in VLLM_DEFAULT_ONLY.items():
+            if extra.get(name) not in (None, default):
+                raise InvalidRequest(
+                    f"{name}: only {str(default).lower()} is supported by this gateway", param=name
+                )
         if extra.get("add_generation_prompt") is False:  # vLLM's default, true, is what the gateway does
             raise InvalidRequest(
                 "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
@@ -64,7 +80,23 @@ VLLM_UNIMPLEMENTED = (
     "chat_template",
     "chat_template_kwargs",
     "documents",
+    "watermarking",
+    "thinking_token_budget",
+    "logprob_token_ids",
+    "repetition_detection",
+    "return_token_offsets",
+    "return_prompt_text",
+    "truncation_side",
+    "vllm_xargs",
 )
+# vLLM's fields that this gateway only has at their default: any other value is a 400.
+VLLM_DEFAULT_ONLY: dict[str, object] = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
+
+
+def null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A ``field_validator(mode="before")``: null for a field the SDKs type ``Optional``
+    (``n``, ``stream``, ...) means its default, as in vLLM."""
+    return cls.model_fields[info.field_name or ""].default if value is None else value
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -113,6 +145,8 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     # token id (a JSON object's keys are strings) -> bias added to its logit, as OpenAI
     logit_bias: dict[int, float] | None = None
+
+    _nulls = field_validator("n", "stream", "min_tokens", "ignore_eos", mode="before")(null_is_default)
 
     # InvalidRequest (not ValueError) passes through pydantic untouched, with its param.
     @field_validator("logit_bias", mode="before")
@@ -178,7 +212,7 @@ class Message(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -189,6 +223,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    add_special_tokens: bool = False  # vLLM's: the template writes <bos>; true adds another
+
+    _chat_nulls = field_validator("logprobs", "add_special_tokens", mode="before")(null_is_default)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -205,6 +242,10 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("audio", "web_search_options"):  # ``{}`` asks for web search with its defaults
             if extra.get(name) is not None:
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+        if extra.get("moderation") is not None:
+            raise InvalidRequest("'moderation' is not supported by this gateway", param="moderation")
+        if extra.get("verbosity") not in (None, "medium"):  # OpenAI's; low/high would change the answer
+            raise InvalidRequest("verbosity: only 'medium' is supported by this gateway", param="verbosity")
         return self
 
     @field_validator("messages")
@@ -239,6 +280,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, as vLLM
+    add_special_tokens: bool = True  # vLLM's: <bos> before a text prompt
+
+    _completion_nulls = field_validator("echo", "add_special_tokens", mode="before")(null_is_default)
 
     @model_validator(mode="after")
     def _zero_tokens_needs_echo(self) -> CompletionRequest:
@@ -289,14 +333,55 @@ def _as_prompts(prompt: Any) -> list[PromptInput]:
     return list(prompt)
 
 
+# What the house stream cannot carry (one choice, text only): refused unless unused.
+_HOUSE_CANNOT = ("messages", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+_HOUSE_SKIPS = ("stream", "stream_options")  # it always streams, and sends no usage
+
+
 class HouseChatRequest(_Request):
-    """The in-house ``POST /chat`` body."""
+    """The in-house ``POST /chat`` body. Chat's other fields (``stop``, ``top_p``, ``seed``,
+    ``response_format``, ...) go on to the chat request, which honours or refuses them."""
 
     question: str = Field(min_length=1)
     model: str | None = Field(None, max_length=256)
     task: str | None = Field(None, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
+
+    @model_validator(mode="after")
+    def _house_shape(self) -> HouseChatRequest:
+        extra = self.model_extra or {}
+        for name in _HOUSE_CANNOT:
+            if not _harmless(extra.get(name)):
+                raise InvalidRequest(
+                    f"'{name}' is not supported by POST /chat; use /v1/chat/completions", param=name
+                )
+        return self
+
+    @property
+    def chat_fields(self) -> dict[str, Any]:
+        skip = (*_HOUSE_CANNOT, *_HOUSE_SKIPS)
+        return {name: value for name, value in (self.model_extra or {}).items() if name not in skip}
+
+
+# -- validation errors -----------------------------------------------------------------
+# How pydantic names the member of a union in an error's location ("input.constrained-str").
+_MEMBER = re.compile(
+    r"(constrained-)?(str|int|float|bool|none)|(list|dict|tuple|set|function-\w+|nullable)\[.*\]"
+)
+
+
+def _union_member(part: str | int) -> bool:
+    """A union member's name, or ``[key]`` (a dict key's error): not a field."""
+    return isinstance(part, str) and (part == "[key]" or _MEMBER.fullmatch(part) is not None)
+
+
+def invalid_request(exc: ValidationError) -> InvalidRequest:
+    """A request model's first validation error as a 400 naming the field."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
+    message = err["msg"].removeprefix("Value error, ")
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param)
 
 
 # -- response bodies -------------------------------------------------------------------

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -30,6 +30,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.metrics import RequestRecord
+from gateway.protocol import invalid_request
 from gateway.service import Collected, Generation
 
 M = TypeVar("M", bound=BaseModel)
@@ -56,24 +57,45 @@ async def read_json(request: Request, model: type[M], max_bytes: int, any_type: 
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if _ESCAPED_SURROGATE.search(body) is not None:  # rare: only then walk the strings
+        try:
+            where = _lone_surrogate(data, "")
+        except RecursionError:
+            raise InvalidRequest("request body is nested too deeply") from None
+        if where is not None:
+            raise InvalidRequest(
+                "a string holds a lone UTF-16 surrogate (not valid Unicode)", param=where or None
+            )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
-        message = err["msg"].removeprefix("Value error, ")
-        raise InvalidRequest(f"{param}: {message}" if param else message, param=param) from None
+        raise invalid_request(exc) from None
 
 
-# How pydantic names the member of a union in an error's location ("input.constrained-str").
-_MEMBER = re.compile(
-    r"(constrained-)?(str|int|float|bool|none)|(list|dict|tuple|set|function-\w+|nullable)\[.*\]"
-)
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _union_member(part: str | int) -> bool:
-    """A union member's name, or ``[key]`` (a dict key's error): not a field."""
-    return isinstance(part, str) and (part == "[key]" or _MEMBER.fullmatch(part) is not None)
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """Where in ``value`` a string (or key) does not encode as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else str(key)
+            found = _lone_surrogate(key, where)
+            if found is None:
+                found = _lone_surrogate(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _is_json(content_type: str) -> bool:
@@ -86,9 +108,14 @@ class SSEResponse(StreamingResponse):
     so an abandoned request stops in the engine at once rather than at its next token."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], headers: dict[str, str], record: RequestRecord | None
+        self,
+        content: AsyncIterator[bytes],
+        headers: dict[str, str],
+        record: RequestRecord | None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.record = record
+        self.on_close = on_close  # runs however the stream ends, even if it never started
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -117,6 +144,8 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 with suppress(BaseException):
                     await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -134,6 +163,7 @@ async def collect_unless_gone(request: Request, gen: Generation) -> Collected | 
         gone.cancel()
         if not work.done():
             work.cancel()
+        gen.close()  # a task cancelled before it ran never reached the release in ``steps``
     if work not in done:
         with suppress(BaseException):
             await work
@@ -148,9 +178,16 @@ def route_headers(gen: Generation) -> dict[str, str]:
     return headers
 
 
+class _AsciiJSON(JSONResponse):
+    """An error body in ASCII: a message may quote the request's text, lone surrogates too."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 async def render_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
-    return JSONResponse(exc.to_dict(), exc.status_code, headers=exc.headers)
+    return _AsciiJSON(exc.to_dict(), exc.status_code, headers=exc.headers)
 
 
 async def render_http_error(request: Request, exc: Exception) -> Response:

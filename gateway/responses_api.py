@@ -240,7 +240,7 @@ def _text(content: Any, param: str) -> str:
                 f"content parts of type '{kind}' are not supported (text only)", param=f"{param}[{j}].type"
             )
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins text parts
 
 
 def chat_tools(body: ResponsesRequest) -> dict[str, Any]:

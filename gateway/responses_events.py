@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 from gateway.errors import EngineFailed, GatewayError
@@ -282,10 +283,11 @@ async def stream_events(
     """The bytes of one streamed Response; failures become ``response.failed``."""
     try:
         yield encoder.start()
-        async for step in gen.steps():
-            data = encoder.step(step)
-            if data:
-                yield data
+        async with aclosing(gen.steps()) as steps:  # closed here, not when collected
+            async for step in steps:
+                data = encoder.step(step)
+                if data:
+                    yield data
         response = encoder.final(gen.prompt_tokens, gen.completion_tokens)
         if save is not None:
             await save(response)

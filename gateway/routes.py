@@ -73,12 +73,8 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request, ChatCompletionRequest, gw.settings.limits.max_body_bytes)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.chat(body, lease))
     house = request.headers.get("x-stream-format", "").lower() == "house"
-    if house and gen.sampling.n > 1:
-        gen.close()
-        raise InvalidRequest("the house stream format carries one choice; use n=1", param="n")
-    if house and gen.tools.mode != "none":
-        gen.close()
-        raise InvalidRequest("the house stream format carries no tool calls", param="tools")
+    if house:
+        _house_can_carry(body, gen)
 
     def prompt() -> Any:
         return [m.model_dump(exclude_none=True) for m in body.messages]
@@ -90,6 +86,22 @@ async def chat_completions(request: Request) -> Response:
         encoder = ToolChatEncoder if tools else OpenAIChatEncoder
         return _stream(request, gen, encoder(gen, body.include_usage), prompt)
     return await _whole(request, gen, tool_chat_response if tools else chat_response, prompt)
+
+
+def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
+    """The house stream carries one choice's text: a request for more is a 400, not dropped."""
+    refused = None
+    if gen.sampling.n > 1:
+        refused = ("the house stream format carries one choice; use n=1", "n")
+    elif gen.tools.mode != "none":
+        refused = ("the house stream format carries no tool calls", "tools")
+    elif body.logprobs:
+        refused = ("the house stream format carries no logprobs", "logprobs")
+    elif body.include_usage:
+        refused = ("the house stream format carries no usage chunk", "stream_options.include_usage")
+    if refused is not None:
+        gen.close()
+        raise InvalidRequest(refused[0], param=refused[1])
 
 
 async def completions(request: Request) -> Response:
@@ -136,7 +148,7 @@ async def create_response(request: Request) -> Response:
         record = _track(request, gen, True, prompt)
         encoder = ResponseEventEncoder(draft) if gen.tools.mode == "none" else ResponseToolEncoder(draft)
         events = stream_events(gen, encoder, save if body.store else None)
-        return SSEResponse(events, route_headers(gen), record)
+        return SSEResponse(events, route_headers(gen), record, gen.close)
     record = _track(request, gen, False, prompt)
     result = await collect_unless_gone(request, gen)
     if result is None:
@@ -238,7 +250,7 @@ def _track(
 
 def _stream(request: Request, gen: Generation, encoder: StreamEncoder, prompt: Callable[[], Any]) -> Response:
     record = _track(request, gen, True, prompt)
-    return SSEResponse(encode_stream(gen, encoder), route_headers(gen), record)
+    return SSEResponse(encode_stream(gen, encoder), route_headers(gen), record, gen.close)
 
 
 async def _whole(

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from pydantic import ValidationError
 
 from gateway.batch import Echo, echo_steps, merge_steps
 from gateway.catalog import Lease, Route
@@ -30,11 +32,20 @@ from gateway.protocol import (
     Message,
     PromptInput,
     SamplingFields,
+    invalid_request,
 )
 from gateway.settings import LimitSettings
 from gateway.structured import choose, request_constraint
 from gateway.tokenizing import PromptTokenizer
-from gateway.tools import NO_TOOLS, ToolPlan, plan_tools, template_messages, tool_template, uses_tools
+from gateway.tools import (
+    NO_TOOLS,
+    ToolPlan,
+    check_tool_messages,
+    plan_tools,
+    template_messages,
+    tool_template,
+    uses_tools,
+)
 from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
@@ -104,7 +115,7 @@ class Generation:
     def lora(self) -> LoraSpec | None:
         return self.route.lora
 
-    async def steps(self) -> AsyncIterator[StepOutput]:
+    async def steps(self) -> AsyncGenerator[StepOutput, None]:
         finished = started = False
         last = 0.0
         ticket: Ticket | None = None
@@ -184,18 +195,22 @@ class ChatService:
         if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
             template = template or tool_template()
         prompt_ids = await self._tokenize(
-            lambda: self._chat_text(messages, template, tools), False, size=_size(messages)
+            lambda: self._chat_text(messages, template, tools),
+            request.add_special_tokens,
+            size=_size(messages),
         )
         shape = _constraint(request, route, constraint, "text")
         if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
             shape = (plan.constraint, "tools")
         limit, logprobs = request.token_limit, request.num_logprobs
-        gen = self._start(request, lease, prompt_ids, limit, logprobs, "chatcmpl", shape)
+        gen = self._start(
+            request, lease, prompt_ids, limit, logprobs, "chatcmpl", shape, logprobs_param="top_logprobs"
+        )
         gen.tools = plan
         return gen
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
-        prompts = [await self._completion_ids(p) for p in request.prompts]
+        prompts = [await self._completion_ids(p, request.add_special_tokens) for p in request.prompts]
         echo = None
         prompt_only = request.echo and request.max_tokens == 0
         if request.echo:
@@ -223,14 +238,18 @@ class ChatService:
         template and system prompt, as ``chat`` builds them): ``/tokenize``."""
         if isinstance(text, str):
             return await self._tokenize(lambda: text, add_special_tokens, size=len(text))
+        check_tool_messages(text)
         messages = _with_system(template_messages(text), route)
+        template = route.chat_template
+        if uses_tools(NO_TOOLS, text):  # tool turns: the template chat would use
+            template = template or tool_template()
         return await self._tokenize(
-            lambda: self._chat_text(messages, route.chat_template, **template_kwargs),
+            lambda: self._chat_text(messages, template, **template_kwargs),
             add_special_tokens,
             size=_size(messages),
         )
 
-    async def _completion_ids(self, prompt: PromptInput) -> list[int]:
+    async def _completion_ids(self, prompt: PromptInput, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, list):
             vocab = len(self._engine.tokenizer)
             if max(prompt) >= vocab:
@@ -238,15 +257,18 @@ class ChatService:
                     f"token id {max(prompt)} is out of vocabulary (ids must be below {vocab})", param="prompt"
                 )
             return [int(t) for t in prompt]
-        return await self._tokenize(lambda: prompt, True, size=len(prompt))
+        return await self._tokenize(lambda: prompt, add_special_tokens, size=len(prompt))
 
     async def house(self, request: HouseChatRequest, lease: Lease) -> Generation:
-        chat = ChatCompletionRequest(
-            messages=[{"role": "user", "content": request.question}],
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            response_format=(request.model_extra or {}).get("response_format"),
-        )
+        try:
+            chat = ChatCompletionRequest(
+                messages=[{"role": "user", "content": request.question}],
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                **request.chat_fields,
+            )
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
         return await self.chat(chat, lease)
 
     # -- helpers --------------------------------------------------------------------
@@ -286,6 +308,7 @@ class ChatService:
         *,
         more_prompts: list[list[int]] | None = None,
         echo: list[Echo] | None = None,
+        logprobs_param: str = "logprobs",
     ) -> Generation:
         limits = self._limits
         if request.n > limits.max_n:
@@ -293,7 +316,9 @@ class ChatService:
         if len(request.stop_list) > limits.max_stop:
             raise InvalidRequest(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
         if logprobs is not None and logprobs > limits.max_logprobs:
-            raise InvalidRequest(f"logprobs must be at most {limits.max_logprobs}", param="logprobs")
+            raise InvalidRequest(
+                f"{logprobs_param} must be at most {limits.max_logprobs}", param=logprobs_param
+            )
         if any(not s for s in request.stop_list):
             raise InvalidRequest("stop sequences must not be empty", param="stop")
         vocab = len(self._engine.tokenizer)

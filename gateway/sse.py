@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from gateway.errors import EngineFailed, GatewayError
@@ -164,10 +165,11 @@ async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterato
         first = encoder.start()
         if first:
             yield first
-        async for step in gen.steps():
-            data = encoder.step(step)
-            if data:
-                yield data
+        async with aclosing(gen.steps()) as steps:  # closed here, not when collected
+            async for step in steps:
+                data = encoder.step(step)
+                if data:
+                    yield data
         yield encoder.end(gen.prompt_tokens, gen.completion_tokens)
     except GatewayError as exc:
         yield encoder.error(exc)

@@ -61,7 +61,7 @@ async def test_request_values_override_route_defaults() -> None:
     assert "".join(map(chr, prompt_ids)).startswith("system:Mine.")  # the caller's system prompt wins
 
 
-async def test_text_parts_are_joined() -> None:
+async def test_text_parts_are_joined_by_newlines() -> None:
     service, catalog, engine = setup()
     req = chat(
         model="base-model",
@@ -70,7 +70,7 @@ async def test_text_parts_are_joined() -> None:
         ],
     )
     await (await service.chat(req, catalog.acquire("base-model"))).collect()
-    assert "".join(map(chr, engine.calls[0][0])) == "user:ab\nmodel:"
+    assert "".join(map(chr, engine.calls[0][0])) == "user:a\nb\nmodel:"  # as vLLM joins them
 
 
 async def test_prompt_longer_than_context_is_context_length_exceeded() -> None:

@@ -1,0 +1,275 @@
+"""Edges of the chat, completions, /chat and /tokenize contracts: leases on early
+disconnects, lone surrogates, nulls the SDKs send, fields honoured or refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.embedded import embedded_model_dir, is_prepared
+from tests.unit.conftest import USER_KEY, Serve
+from tests.unit.fakes import FakeEngine
+
+MSG = [{"role": "user", "content": "Hi"}]
+MODEL_DIR = embedded_model_dir(Path.home() / ".cache" / "gateway" / "models")
+needs_model = pytest.mark.skipif(not is_prepared(MODEL_DIR), reason="the embedded model is not prepared")
+
+
+def body_for(path: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "model": "base",
+        **({"prompt": "Hi"} if path == "/v1/completions" else {"messages": MSG}),
+        **fields,
+    }
+
+
+# -- a stream's lease is released however the client leaves --------------------------------
+async def asgi_post(served: Any, path: str, body: dict[str, Any], receive_after: list[str]) -> None:
+    """POST straight to the ASGI app; after the body, ``receive`` answers a disconnect, and
+    every ``send`` of a type in ``receive_after`` waits, as a slow socket does."""
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("test", 80),
+        "client": ("client", 1),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {USER_KEY}".encode()),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+    }
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] in receive_after:
+            await asyncio.sleep(0.01)
+
+    await served.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("slow", ["http.response.start", "http.response.body"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_stream_left_before_its_first_step_releases_its_lease(
+    serve: Serve, slow: str, path: str
+) -> None:
+    served = await serve()
+    body = {
+        "model": "shout",
+        "stream": True,
+        **({"input": "Hi"} if path == "/v1/responses" else {"messages": MSG}),
+    }
+    await asgi_post(served, path, body, [slow])
+    await asyncio.sleep(0.05)
+    assert served.gw.catalog_or_503().in_use() == {}
+
+
+# -- lone surrogates are a 400, never a 500 --------------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ('{"model":"base","messages":[{"role":"user","content":"\\ud83d"}]}', "messages[0].content"),
+        (
+            '{"model":"base","messages":[{"role":"user","content":[{"type":"text","text":"x\\udc00"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        (
+            '{"model":"base","messages":[{"role":"user","content":"Hi"}],"structured_outputs":{"\\ud800":1}}',
+            "structured_outputs",
+        ),
+        (
+            '{"model":"base","messages":[{"role":"tool","content":"x","tool_call_id":"\\ud800"}]}',
+            "messages[0].tool_call_id",
+        ),
+    ],
+)
+async def test_a_lone_surrogate_is_a_400(serve: Serve, raw: str, param: str) -> None:
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+async def test_a_surrogate_pair_is_text(serve: Serve) -> None:
+    served = await serve()
+    raw = '{"model":"base","messages":[{"role":"user","content":"\\ud83d\\ude00 and \\\\ud800"}]}'
+    r = await served.http.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200, r.text
+
+
+# -- /tokenize counts what chat sends ----------------------------------------------------------
+class GemmaTokenizerEngine(FakeEngine):
+    _tokenizer_cache: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if GemmaTokenizerEngine._tokenizer_cache is None:
+            from transformers import AutoTokenizer
+
+            GemmaTokenizerEngine._tokenizer_cache = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+        return GemmaTokenizerEngine._tokenizer_cache
+
+
+@needs_model
+async def test_tokenize_counts_chats_prompt_with_tool_turns(serve: Serve) -> None:
+    served = await serve(GemmaTokenizerEngine(max_model_len=1000))
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"},
+    ]
+    chat = await served.http.post("/v1/chat/completions", json={"model": "base", "messages": history})
+    counted = await served.http.post("/tokenize", json={"model": "base", "messages": history})
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    orphan = await served.http.post(
+        "/tokenize", json={"model": "base", "messages": history[:1] + history[2:]}
+    )
+    assert orphan.status_code == 400
+
+
+# -- POST /chat honours chat's sampling fields and refuses what its stream cannot carry ------
+async def test_house_chat_passes_sampling_fields_on(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi", "stop": ["world"], "top_p": 0.5, "seed": 7})
+    assert r.status_code == 200
+    sampling = served.engine.calls[-1][1]
+    assert (sampling.stop, sampling.top_p, sampling.seed) == (("world",), 0.5, 7)
+    r = await served.http.post("/chat", json={"question": "Hi", "structured_outputs": {"regex": "a+"}})
+    assert r.status_code == 200 and served.engine.calls[-1][1].constraint is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "param"),
+    [
+        ("n", 2, "n"),
+        ("logprobs", True, "logprobs"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+        ("messages", MSG, "messages"),
+        ("top_p", 5, "top_p"),  # chat's own check, named
+        ("bad_words", ["x"], "bad_words"),
+    ],
+)
+async def test_house_chat_refuses_by_name(serve: Serve, name: str, value: Any, param: str) -> None:
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi", name: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+    ],
+)
+async def test_house_stream_format_refuses_what_it_cannot_carry(
+    serve: Serve, fields: dict[str, Any], param: str
+) -> None:
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions",
+        headers={"x-stream-format": "house"},
+        json=body_for("/v1/chat/completions", **fields),
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert served.gw.catalog_or_503().in_use() == {}
+
+
+# -- vLLM's fields: honoured, or refused when they would change the answer -------------------
+@pytest.mark.parametrize(
+    ("path", "name", "value"),
+    [
+        ("/v1/completions", "skip_special_tokens", False),
+        ("/v1/chat/completions", "skip_special_tokens", False),
+        ("/v1/chat/completions", "spaces_between_special_tokens", False),
+        ("/v1/chat/completions", "verbosity", "low"),
+        ("/v1/chat/completions", "moderation", {"policy": {"output": {"mode": "block"}}}),
+        ("/v1/chat/completions", "watermarking", True),
+        ("/v1/completions", "vllm_xargs", {"a": 1}),
+        ("/v1/completions", "suffix", "x"),
+        ("/v1/completions", "best_of", 2),
+        ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ],
+)
+async def test_answer_changing_fields_are_refused_by_name(
+    serve: Serve, path: str, name: str, value: Any
+) -> None:
+    served = await serve()
+    r = await served.http.post(path, json=body_for(path, **{name: value}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
+async def test_defaults_of_refused_fields_are_accepted(serve: Serve) -> None:
+    served = await serve()
+    fields = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "verbosity": "medium"}
+    r = await served.http.post("/v1/chat/completions", json=body_for("/v1/chat/completions", **fields))
+    assert r.status_code == 200, r.text
+
+
+async def test_add_special_tokens_is_honoured(serve: Serve) -> None:
+    served = await serve()
+    await served.http.post("/v1/completions", json=body_for("/v1/completions"))
+    await served.http.post("/v1/completions", json=body_for("/v1/completions", add_special_tokens=False))
+    with_bos, without = served.engine.calls[-2][0], served.engine.calls[-1][0]
+    assert with_bos[1:] == without and len(with_bos) == len(without) + 1
+    await served.http.post("/v1/chat/completions", json=body_for("/v1/chat/completions"))
+    await served.http.post(
+        "/v1/chat/completions", json=body_for("/v1/chat/completions", add_special_tokens=True)
+    )
+    plain, added = served.engine.calls[-2][0], served.engine.calls[-1][0]
+    assert added[1:] == plain
+
+
+async def test_top_logprobs_over_the_limit_names_top_logprobs(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions", json=body_for("/v1/chat/completions", logprobs=True, top_logprobs=21)
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+# -- null, as the SDKs send for their Optional fields, is the default ---------------------------
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/v1/chat/completions", "n"),
+        ("/v1/chat/completions", "logprobs"),
+        ("/v1/chat/completions", "stream"),
+        ("/v1/completions", "n"),
+        ("/v1/completions", "echo"),
+        ("/v1/completions", "stream"),
+    ],
+)
+async def test_null_is_the_default(serve: Serve, path: str, name: str) -> None:
+    served = await serve()
+    r = await served.http.post(path, json=body_for(path, **{name: None}))
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
