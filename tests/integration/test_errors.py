@@ -32,7 +32,7 @@ def http(gateway: LiveGateway) -> httpx.Client:
         (
             b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50}',
             400,
-            "logprobs",
+            "top_logprobs",
         ),
         (
             b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e","f","g","h","i"]}',
