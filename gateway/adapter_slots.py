@@ -5,6 +5,11 @@ after each reload: load the weights into the engine (timed, counted per route), 
 to a GPU slot when the entry says ``pinned``, and warm them with a one-token request when
 it says ``preload``, so the first user request does not pay for the load.
 
+At most ``max_loras - 1`` versions are pinned (vLLM fails a batch that needs a slot when
+all are pinned). A pin with no room waits and is retried, in order, each time a pinned
+version leaves the engine: when a pinned adapter's files change, its old version keeps
+its pin until it drains, then the new version takes it.
+
 ``cpu_cache_size`` sizes the engine's CPU cache of adapters (``engine.max_cpu_loras``) when
 the settings leave it out: every adapter the catalog names stays in host memory, so an
 adapter whose turn comes is copied to a GPU slot, not read from disk again.
@@ -84,6 +89,8 @@ class AdapterSlots:
         self.max_loras = max_loras
         self.registered: set[int] = set()  # ids added by us and not removed since
         self.pinned: set[int] = set()
+        # Pins refused for want of a free slot, in order: retried when a pinned version leaves.
+        self.pins_waiting: dict[int, Route] = {}
         self.resident: set[int] = set()  # the engine's list_loras(), as last seen
         self.paths: dict[int, Path] = {}
 
@@ -112,19 +119,40 @@ class AdapterSlots:
             raise
 
     async def _pin(self, route: Route) -> None:
+        """Pin the route's version, or leave it waiting for a slot when ``max_loras - 1`` are
+        pinned: during a hot swap the old pinned version holds its slot until it drains."""
         assert route.lora is not None
         # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
-        if len(self.pinned) + 1 >= self.max_loras:
-            log.error(
-                "adapter %s not pinned: %d of engine.max_loras=%d slots are pinned and one must stay free",
+        if not self._room_to_pin():
+            self.pins_waiting[route.lora.lora_id] = route
+            log.warning(
+                "adapter %s not pinned yet: %d of engine.max_loras=%d slots are pinned and one must "
+                "stay free; it is pinned when a pinned version leaves the engine",
                 route.name,
                 len(self.pinned),
                 self.max_loras,
             )
             return
         await self.engine.pin_lora(route.lora.lora_id)
+        self.pins_waiting.pop(route.lora.lora_id, None)
         self.pinned.add(route.lora.lora_id)
         log.info("adapter %s pinned to a GPU slot", route.name)
+
+    def _room_to_pin(self) -> bool:
+        return len(self.pinned) + 1 < self.max_loras
+
+    async def _pin_next_waiting(self) -> None:
+        """A pinned version left: the first waiting pin takes its slot. A failure is logged,
+        not raised: it must not stop the removal that called it."""
+        if not self.pins_waiting or not self._room_to_pin():
+            return
+        route = next(iter(self.pins_waiting.values()))
+        try:
+            await self._pin(route)
+        except GatewayError as exc:
+            assert route.lora is not None
+            self.pins_waiting.pop(route.lora.lora_id, None)
+            log.error("adapter %s could not be pinned: %s", route.name, exc.message)
 
     async def _preload(self, route: Route) -> None:
         """One token on the adapter: its weights and kernels are warm before a user asks.
@@ -142,11 +170,15 @@ class AdapterSlots:
     async def remove(self, lora_id: int) -> None:
         await self.engine.remove_lora(lora_id)
         self.registered.discard(lora_id)
+        self.pins_waiting.pop(lora_id, None)
+        was_pinned = lora_id in self.pinned
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
         path = self.paths.pop(lora_id, None)
         if path is not None and self.snapshots is not None:
             self.snapshots.discard(path)
+        if was_pinned:
+            await self._pin_next_waiting()
 
     async def refresh(self) -> None:
         self.resident = set(await self.engine.list_loras())

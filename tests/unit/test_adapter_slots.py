@@ -1,7 +1,9 @@
-"""Many adapters: registration (load, pin, preload), residency, engine names in a swap."""
+"""Many adapters: registration (load, pin, preload), residency, engine names in a swap, pins
+across hot swaps."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
+from tests.helpers import eventually_async
+from tests.unit.conftest import ADMIN, Serve, Served
 from tests.unit.fakes import FakeEngine
 
 
@@ -81,8 +85,37 @@ async def test_pinned_adapters_are_pinned_but_one_slot_stays_free() -> None:
     assert [s.residency(r) for r in routes] == ["gpu", "gpu", "loaded"]
     await s.remove(1)
     assert s.residency(routes[0]) == "not loaded"
-    await s.register(routes[2])  # a reload: now there is room
+    assert engine.pinned == [1, 2, 3] and s.residency(routes[2]) == "gpu"  # it took the freed slot
+    await s.register(routes[2])  # a reload: already pinned
     assert engine.pinned == [1, 2, 3]
+
+
+async def test_a_hot_swapped_pinned_adapter_is_pinned_once_its_old_version_leaves() -> None:
+    """max_loras=2 allows one pin, which the old version holds while it drains."""
+    s, engine, _ = slots(max_loras=2)
+    old, new = lora_route("shout", 1, pinned=True), lora_route("shout", 2, pinned=True)
+    await s.register(old)
+    await s.register(new)
+    assert engine.pinned == [1] and s.residency(new) == "loaded"
+    await s.register(lora_route("json", 3, pinned=True))  # waits behind the new shout
+    await s.remove(3)  # a waiting version that leaves gives up its turn
+    await s.remove(1)
+    assert engine.pinned == [1, 2] and s.residency(new) == "gpu" and s.pins_waiting == {}
+
+
+async def test_a_pin_that_fails_on_retry_is_logged_and_the_removal_completes() -> None:
+    from gateway.errors import EngineFailed
+
+    s, engine, _ = slots(max_loras=2)
+    await s.register(lora_route("shout", 1, pinned=True))
+    await s.register(lora_route("shout", 2, pinned=True))
+
+    async def failing_pin(lora_id: int) -> None:
+        raise EngineFailed("no")
+
+    engine.pin_lora = failing_pin  # type: ignore[method-assign]
+    await s.remove(1)
+    assert engine.loras == {2} and s.pinned == set() and s.pins_waiting == {}
 
 
 async def test_cold_then_warm_and_evictions_seen_on_refresh() -> None:
@@ -225,3 +258,40 @@ def test_catalog_adapter_folders_skip_presets_and_bad_paths(tmp_path: Path) -> N
     catalog.write_text("routes: [")  # broken: the catalog's own load reports it
     assert adapter_dirs(catalog, root) == []
     assert adapter_dirs(tmp_path / "missing.yaml", root) == []
+
+
+# -- pins through the app: hot swaps ------------------------------------------------------
+PINNED = """
+routes:
+  - {name: shout, adapter: shout, pinned: true}
+  - {name: json, adapter: json}
+"""
+
+
+async def residency(served: Served, name: str) -> dict[str, Any]:
+    card = (await served.http.get(f"/v1/models/{name}")).json()
+    return {"pinned": card["pinned"], "residency": card["residency"]}
+
+
+def lora_id(served: Served, name: str) -> int:
+    lora = served.gw.catalog_or_503().table.routes[name].lora
+    assert lora is not None
+    return lora.lora_id
+
+
+async def test_editing_a_pinned_adapter_at_the_pin_limit_keeps_it_pinned(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """max_loras=2: one pin allowed. The new version is pinned once the old one has left."""
+    engine = SlotEngine()
+    served = await serve(engine, engine__max_loras=2, catalog_poll_s=0.05)
+    (tmp_path / "adapters.yaml").write_text(PINNED)
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    assert await residency(served, "shout") == {"pinned": True, "residency": "gpu"}
+    old = lora_id(served, "shout")
+    config = tmp_path / "adapters" / "shout" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 32}))  # the watcher sees it
+    await eventually_async(lambda: lora_id(served, "shout") != old, 5, "the new version live")
+    await eventually_async(lambda: old not in engine.loras, 5, "the old version gone")
+    assert await residency(served, "shout") == {"pinned": True, "residency": "gpu"}
+    assert engine.pinned == [old, lora_id(served, "shout")]
