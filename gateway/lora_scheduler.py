@@ -29,7 +29,8 @@ it hands the engine work for at most ``slots`` adapters at a time:
   Correctness never depends on this gate, only the order of work does.
 
 Pinned adapters (``AdapterSlots.pinned``) hold GPU slots for good: their requests never
-wait and they count against ``slots``. Base-model and preset requests never wait.
+wait and they count against ``slots``, never also as active (one pinned while active gives
+its slot back). Base-model and preset requests never wait.
 Everything here runs on the event loop and costs a few dict operations per request.
 """
 
@@ -161,6 +162,7 @@ class LoraScheduler:
 
     def _may_enter(self, adapter: _Adapter, caller: Caller) -> bool:
         if adapter.lora_id in self._pinned:
+            self._unslot(adapter)
             return True
         if adapter.granted_at is not None:  # active
             if adapter.draining:
@@ -190,15 +192,29 @@ class LoraScheduler:
         adapter.draining = False
         self._active[adapter.lora_id] = adapter
 
+    def _deactivate(self, adapter: _Adapter) -> None:
+        adapter.granted_at = None
+        adapter.draining = False
+        del self._active[adapter.lora_id]
+
+    def _unslot(self, adapter: _Adapter) -> None:
+        """A pinned adapter needs none of ``slots``. One pinned while it was active (a reload
+        pinned it, or its pin waited for a slot) gives its slot back at once, or it would
+        count twice (in ``_active`` and in ``_capacity``) for as long as its traffic lasts.
+        Requests it had queued go on with it rather than wait out ``max_wait_s``."""
+        if adapter.queue:
+            self._hand_over(adapter)
+        if adapter.granted_at is not None:
+            self._deactivate(adapter)
+            self._fill()
+
     # -- slots freeing ----------------------------------------------------------------
     def _release(self, adapter: _Adapter) -> None:
         adapter.inflight -= 1
         if adapter.inflight > 0:
             return
         if adapter.granted_at is not None:
-            adapter.granted_at = None
-            adapter.draining = False
-            del self._active[adapter.lora_id]
+            self._deactivate(adapter)
         if not adapter.queue and self._adapters.get(adapter.lora_id) is adapter:
             del self._adapters[adapter.lora_id]
         self._fill()
@@ -227,8 +243,7 @@ class LoraScheduler:
             self._observe_wait(adapter, now - waiter.arrived)
             waiter.future.set_result(Ticket(self, adapter))
         if adapter.inflight == 0 and adapter.granted_at is not None:  # all had left
-            adapter.granted_at = None
-            del self._active[adapter.lora_id]
+            self._deactivate(adapter)
 
     def _cancel(self, adapter: _Adapter, waiter: _Waiter) -> None:
         """The waiting request left (disconnect, error): take it out of the queue, or give

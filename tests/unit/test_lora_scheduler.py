@@ -397,6 +397,38 @@ async def test_pinned_adapters_never_wait_and_hold_slots() -> None:
     assert "d1" in r.went()
 
 
+async def test_an_adapter_pinned_while_active_gives_its_slot_back() -> None:
+    """Pinned while it serves (a reload, or its pin waited for a slot), with steady traffic
+    that never lets it reach zero: it must not hold one of the unpinned slots as well."""
+    pinned: set[int] = set()
+    s = make(slots=2, pinned=pinned)  # one pin: one slot for the unpinned adapters
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)  # waits: A holds the one slot
+    pinned.add(1)
+    await r.ask("a2", A)
+    assert r.went() == {"a1", "a2", "b1"}  # A's next request gave B the slot
+    await r.release("a1")
+    await r.ask("a3", A)
+    await r.ask("c1", C)
+    assert "c1" not in r.went()  # B has the slot, A none
+    assert s.snapshot()["active"] == {"b": {"inflight": 1, "draining": False}}
+
+
+async def test_an_adapter_pinned_while_it_waits_takes_its_queue_along() -> None:
+    pinned: set[int] = set()
+    s = make(slots=2, pinned=pinned)
+    r = Requests(s)
+    await r.ask("c1", C)
+    await r.ask("d1", D)
+    await r.ask("a1", A)  # waits
+    pinned.add(1)
+    await r.ask("a2", A)  # goes at once, and so does a1: it does not wait out max_wait_s
+    assert r.went() == {"c1", "d1", "a1", "a2"} and s.queued == 0
+    serving = {"inflight": 1, "draining": False}
+    assert s.snapshot()["active"] == {"c": serving, "d": serving}  # A holds none of the two slots
+
+
 async def test_wait_and_queue_metrics() -> None:
     clock = Clock()
     metrics = GatewayMetrics()
