@@ -8,7 +8,9 @@ it says ``preload``, so the first user request does not pay for the load.
 At most ``max_loras - 1`` versions are pinned (vLLM fails a batch that needs a slot when
 all are pinned). A pin with no room waits and is retried, in order, each time a pinned
 version leaves the engine: when a pinned adapter's files change, its old version keeps
-its pin until it drains, then the new version takes it.
+its pin until it drains, then the new version takes it. vLLM cannot unpin: the pin is part
+of a version (``catalog.LoraIds``), so clearing it is a new version whose old, pinned one
+leaves the engine; the two share one adapter copy until then.
 
 ``cpu_cache_size`` sizes the engine's CPU cache of adapters (``engine.max_cpu_loras``) when
 the settings leave it out: every adapter the catalog names stays in host memory, so an
@@ -175,7 +177,8 @@ class AdapterSlots:
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
         path = self.paths.pop(lora_id, None)
-        if path is not None and self.snapshots is not None:
+        # A pinned and an unpinned version of the same files share one copy.
+        if path is not None and self.snapshots is not None and path not in self.paths.values():
             self.snapshots.discard(path)
         if was_pinned:
             await self._pin_next_waiting()

@@ -222,7 +222,7 @@ def _build_route(
     digest = adapter_digest(path)
     # The engine's LoRA name is the route name: vLLM reports running and waiting adapters
     # by it (``vllm:lora_requests_info``) and LoRA-affinity routers match it to ``model``.
-    lora = LoraSpec(name=entry.name, lora_id=lora_ids.id_for(digest), path=str(path))
+    lora = LoraSpec(name=entry.name, lora_id=lora_ids.id_for(digest, entry.pinned), path=str(path))
     return Route(
         kind="lora",
         lora=lora,
@@ -242,7 +242,7 @@ def _on_snapshot(route: Route, snapshots: SnapshotDir, lora_ids: LoraIds) -> Rou
         path, digest = snapshots.copy(Path(route.lora.path), route.digest)
     except OSError as exc:
         raise ConfigError(f"could not copy the adapter to {snapshots.path}: {one_line(exc)}") from None
-    lora = replace(route.lora, lora_id=lora_ids.id_for(digest), path=str(path))
+    lora = replace(route.lora, lora_id=lora_ids.id_for(digest, route.pinned), path=str(path))
     return replace(route, lora=lora, digest=digest)
 
 
@@ -255,15 +255,19 @@ def _one_line(exc: BaseException) -> str:
 
 
 class LoraIds:
-    """Engine LoRA ids by content digest: same files, same id; changed files, new id."""
+    """Engine LoRA ids by content digest and pin: same files, same id; changed files, new id.
+    vLLM can pin an adapter but not unpin it, so the pin is part of the version too: a route
+    pinned or unpinned gets a new id on the same files, and the old version drains and
+    leaves the engine (its pin with it), as after an edit."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
+        self._ids: dict[tuple[str, bool], int] = {}
 
-    def id_for(self, digest: str) -> int:
-        if digest not in self._ids:
-            self._ids[digest] = len(self._ids) + 1
-        return self._ids[digest]
+    def id_for(self, digest: str, pinned: bool) -> int:
+        key = (digest, pinned)
+        if key not in self._ids:
+            self._ids[key] = len(self._ids) + 1
+        return self._ids[key]
 
 
 # -- the live catalog ------------------------------------------------------------------

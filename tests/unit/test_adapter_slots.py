@@ -295,3 +295,23 @@ async def test_editing_a_pinned_adapter_at_the_pin_limit_keeps_it_pinned(
     await eventually_async(lambda: old not in engine.loras, 5, "the old version gone")
     assert await residency(served, "shout") == {"pinned": True, "residency": "gpu"}
     assert engine.pinned == [old, lora_id(served, "shout")]
+
+
+async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> None:
+    """vLLM has no unpin: the unpinned route is a new version on the same files, and the
+    pinned one leaves the engine, freeing the one pin max_loras=2 allows for json."""
+    engine = SlotEngine()
+    served = await serve(engine, engine__max_loras=2, catalog_poll_s=0.05)
+    (tmp_path / "adapters.yaml").write_text(PINNED)
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    pinned_shout = lora_id(served, "shout")
+    (tmp_path / "adapters.yaml").write_text(
+        "routes:\n  - {name: shout, adapter: shout}\n  - {name: json, adapter: json, pinned: true}\n"
+    )
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    await eventually_async(lambda: pinned_shout not in engine.loras, 5, "the pinned shout gone")
+    assert await residency(served, "shout") == {"pinned": False, "residency": "loaded"}
+    assert await residency(served, "json") == {"pinned": True, "residency": "gpu"}
+    assert engine.pinned == [pinned_shout, lora_id(served, "json")]
+    shout = served.gw.catalog_or_503().table.routes["shout"].lora
+    assert shout is not None and Path(shout.path).is_dir()  # the copy both versions shared stays

@@ -141,4 +141,5 @@ def test_chat_logprobs_shape() -> None:
 
 def test_unused_ids_helper_is_stable() -> None:
     ids = LoraIds()
-    assert ids.id_for("a") == ids.id_for("a") != ids.id_for("b")
+    assert ids.id_for("a", False) == ids.id_for("a", False) != ids.id_for("b", False)
+    assert ids.id_for("a", True) not in (ids.id_for("a", False), ids.id_for("b", False))
