@@ -28,6 +28,12 @@ it hands the engine work for at most ``slots`` adapters at a time:
   its queue sent to the engine anyway, over the slot count; vLLM then schedules it.
   Correctness never depends on this gate, only the order of work does.
 
+Routes on the same adapter files share one engine LoRA id, so here one adapter: one
+queue, one slot and one virtual time at the route level for all of them, charged at the
+highest weight among the routes that used it since it was last idle (a turn serves them
+all; the highest gives each route at least its own share). Waits, timeouts and
+``snapshot`` are booked under each request's own route.
+
 Pinned adapters (``AdapterSlots.pinned``) hold GPU slots for good: their requests never
 wait and they count against ``slots``, never also as active (one pinned while active gives
 its slot back). Base-model and preset requests never wait.
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -75,20 +81,22 @@ ANONYMOUS = Anonymous()
 class Ticket:
     """A request's place in the engine; ``release`` when its stream ends (idempotent)."""
 
-    __slots__ = ("_adapter", "_scheduler")
+    __slots__ = ("_adapter", "_route", "_scheduler")
 
-    def __init__(self, scheduler: LoraScheduler, adapter: _Adapter) -> None:
+    def __init__(self, scheduler: LoraScheduler, adapter: _Adapter, route: str) -> None:
         self._scheduler: LoraScheduler | None = scheduler
         self._adapter = adapter
+        self._route = route
 
     def release(self) -> None:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
-            scheduler._release(self._adapter)
+            scheduler._release(self._adapter, self._route)
 
 
 @dataclass(slots=True)
 class _Waiter:
+    route: str
     priority: int
     key: str
     key_weight: float
@@ -99,12 +107,16 @@ class _Waiter:
 @dataclass(slots=True)
 class _Adapter:
     lora_id: int
-    route: str
-    weight: float = 1.0
+    weights: dict[str, float] = field(default_factory=dict)  # route -> weight, of the routes on it
     inflight: int = 0
+    routes: dict[str, int] = field(default_factory=dict)  # route -> its requests in the engine
     queue: deque[_Waiter] = field(default_factory=deque)
     granted_at: float | None = None  # set while active
     draining: bool = False
+
+    @property
+    def weight(self) -> float:
+        return max(self.weights.values())
 
 
 class LoraScheduler:
@@ -142,14 +154,12 @@ class LoraScheduler:
         caller = caller or ANONYMOUS
         adapter = self._adapters.get(route.lora.lora_id)
         if adapter is None:
-            adapter = self._adapters[route.lora.lora_id] = _Adapter(route.lora.lora_id, route.name)
-        adapter.weight = route.weight  # a reload may change it
+            adapter = self._adapters[route.lora.lora_id] = _Adapter(route.lora.lora_id)
+        adapter.weights[route.name] = route.weight  # a reload may change it
         if self._may_enter(adapter, caller):
-            adapter.inflight += 1
-            self._observe_wait(adapter, 0.0)
-            return Ticket(self, adapter)
+            return self._enter(adapter, route.name, 0.0)
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(caller.priority, caller.name, caller.weight, self._clock(), future)
+        waiter = _Waiter(route.name, caller.priority, caller.name, caller.weight, self._clock(), future)
         adapter.queue.append(waiter)
         self._waiting[adapter.lora_id] = adapter
         self._set_queued(self.queued + 1)
@@ -176,6 +186,12 @@ class LoraScheduler:
         self._share.charge(adapter, {caller.name: caller.weight})
         self._activate(adapter)
         return True
+
+    def _enter(self, adapter: _Adapter, route: str, waited: float) -> Ticket:
+        adapter.inflight += 1
+        adapter.routes[route] = adapter.routes.get(route, 0) + 1
+        self._observe_wait(route, waited)
+        return Ticket(self, adapter, route)
 
     def _short_of_draining(self) -> bool:
         """Whether fewer adapters drain than should: one per waiting adapter, plus one per
@@ -209,8 +225,11 @@ class LoraScheduler:
             self._fill()
 
     # -- slots freeing ----------------------------------------------------------------
-    def _release(self, adapter: _Adapter) -> None:
+    def _release(self, adapter: _Adapter, route: str) -> None:
         adapter.inflight -= 1
+        adapter.routes[route] -= 1
+        if not adapter.routes[route]:
+            del adapter.routes[route]
         if adapter.inflight > 0:
             return
         if adapter.granted_at is not None:
@@ -239,9 +258,7 @@ class LoraScheduler:
         for waiter in waiters:
             if waiter.future.done():  # cancelled; _cancel is on its way
                 continue
-            adapter.inflight += 1
-            self._observe_wait(adapter, now - waiter.arrived)
-            waiter.future.set_result(Ticket(self, adapter))
+            waiter.future.set_result(self._enter(adapter, waiter.route, now - waiter.arrived))
         if adapter.inflight == 0 and adapter.granted_at is not None:  # all had left
             self._deactivate(adapter)
 
@@ -267,15 +284,14 @@ class LoraScheduler:
         late = [a for a in self._waiting.values() if now - a.queue[0].arrived >= self.max_wait_s]
         sent = 0
         for adapter in late:
-            count = len(adapter.queue)
+            routes = Counter(w.route for w in adapter.queue)
             if adapter.granted_at is None:
                 self._activate(adapter)  # over the slot count: vLLM queues it
             self._hand_over(adapter)
-            sent += count
+            sent += routes.total()
             if self._metrics is not None:
-                self._metrics.adapter_wait_timeouts.labels(self._metrics.route_label(adapter.route)).inc(
-                    count
-                )
+                for route, count in routes.items():
+                    self._metrics.adapter_wait_timeouts.labels(self._metrics.route_label(route)).inc(count)
         self.forced += sent
         self._arm()
         return sent
@@ -304,9 +320,9 @@ class LoraScheduler:
             self._timer = None
 
     # -- observation ------------------------------------------------------------------
-    def _observe_wait(self, adapter: _Adapter, seconds: float) -> None:
+    def _observe_wait(self, route: str, seconds: float) -> None:
         if self._metrics is not None:
-            self._metrics.adapter_wait.labels(self._metrics.route_label(adapter.route)).observe(seconds)
+            self._metrics.adapter_wait.labels(self._metrics.route_label(route)).observe(seconds)
 
     def _set_queued(self, value: int) -> None:
         self.queued = value
@@ -314,28 +330,32 @@ class LoraScheduler:
             self._metrics.adapter_queued.set(value)
 
     def snapshot(self) -> dict[str, object]:
-        """For ``/admin/status``: active adapters, queues, requests sent on by timeout."""
+        """For ``/admin/status``, by route: requests of active adapters in the engine, queued
+        requests, and requests sent on by timeout."""
         return {
             "slots": self._capacity(),
             "active": {
-                a.route: {"inflight": a.inflight, "draining": a.draining} for a in self._active.values()
+                route: {"inflight": count, "draining": a.draining}
+                for a in self._active.values()
+                for route, count in a.routes.items()
             },
-            "queued": {a.route: len(a.queue) for a in self._waiting.values()},
+            "queued": Counter(w.route for a in self._waiting.values() for w in a.queue),
             "forced": self.forced,
         }
 
 
 class _FairShare:
-    """Virtual times per route and per key, in turns / weight (see the module docstring)."""
+    """Virtual times per route and per key, in turns / weight (see the module docstring).
+    The route level is kept per adapter (lora id): the routes sharing one take turns as one."""
 
     def __init__(self) -> None:
-        self._routes: dict[str, float] = {}
+        self._routes: dict[int, float] = {}
         self._keys: dict[str, float] = {}
         self._route_clock = 0.0  # the virtual time of the last flow served, per level
         self._key_clock = 0.0
 
     def _route(self, adapter: _Adapter) -> float:
-        return max(self._routes.get(adapter.route, 0.0), self._route_clock)
+        return max(self._routes.get(adapter.lora_id, 0.0), self._route_clock)
 
     def _key(self, key: str) -> float:
         return max(self._keys.get(key, 0.0), self._key_clock)
@@ -360,7 +380,7 @@ class _FairShare:
         keys with a request in it. The clocks move to where the served flows were."""
         start = self._route(adapter)
         self._route_clock = start
-        self._routes[adapter.route] = start + 1.0 / adapter.weight
+        self._routes[adapter.lora_id] = start + 1.0 / adapter.weight
         if not keys:
             return
         starts = {key: self._key(key) for key in keys}

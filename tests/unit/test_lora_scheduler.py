@@ -208,11 +208,20 @@ async def test_key_weights_share_turns_in_proportion() -> None:
     assert grants == {"a": 20, "b": 10}
 
 
+async def test_routes_sharing_an_adapter_take_turns_at_their_highest_weight() -> None:
+    """heavy (weight 3) and light (1) on one adapter: one flow of weight 3, whichever asked last."""
+    heavy, other = lora("heavy", 7, weight=3.0), lora("other", 8)
+    light = Route(name="light", kind="lora", lora=LoraSpec("light", 7, "/adapters/heavy"))
+    grants = await _alternating_backlogs(heavy, ME, other, ME, rounds=40, one_also=light)
+    assert grants == {"heavy": 30, "other": 10}
+
+
 async def _alternating_backlogs(
-    one: Route, one_key: Key, other: Route, other_key: Key, rounds: int
+    one: Route, one_key: Key, other: Route, other_key: Key, rounds: int, one_also: Route | None = None
 ) -> dict[str, int]:
     """Both routes always have a request waiting (a quantum of 0 makes the adapter in the
-    slot queue its next request); count whose adapter gets the slot each round."""
+    slot queue its next request); count whose adapter gets the slot each round. With
+    ``one_also`` (a route on one's adapter), every other request of one's is on it."""
     r = Requests(make(slots=1, quantum_s=0.0))
     await r.ask("hold", D)
     await r.ask(f"{one.name}0", one, one_key)
@@ -226,6 +235,8 @@ async def _alternating_backlogs(
         name = next(x for x in grants if current.startswith(x) and current[len(x) :].isdigit())
         grants[name] += 1
         route, key = (one, one_key) if name == one.name else (other, other_key)
+        if route is one and one_also is not None and n % 2:
+            route = one_also
         await r.ask(f"{name}{n}", route, key)
         assert len(r.went()) == seen  # it queued behind the other
     return grants
@@ -443,6 +454,38 @@ async def test_wait_and_queue_metrics() -> None:
     assert metrics.adapter_queued._value.get() == 0
     text = metrics.render().decode()
     assert 'gateway_adapter_wait_seconds_sum{route="b"} 1.5' in text
+    assert 'gateway_adapter_wait_seconds_count{route="a"} 1.0' in text
+
+
+async def test_routes_sharing_an_adapter_book_waits_under_their_own_names() -> None:
+    """One adapter, one queue and one turn for a and a-strict; each request's wait, timeout
+    and place in the snapshot are its own route's."""
+    clock = Clock()
+    metrics = GatewayMetrics()
+    metrics.set_routes(frozenset({"a", "a-strict", "b"}))
+    s = make(slots=1, max_wait_s=3.0, clock=clock, metrics=metrics)
+    strict = Route(name="a-strict", kind="lora", lora=LoraSpec("a-strict", 1, "/adapters/a"))
+    r = Requests(s)
+    await r.ask("b1", B)
+    await r.ask("s1", strict)
+    await r.ask("a1", A)
+    await r.ask("s2", strict)
+    assert s.snapshot()["queued"] == {"a-strict": 2, "a": 1}
+    clock.now += 3.0
+    assert s.expire() == 3
+    await settle()
+    serving = {"draining": False}
+    assert s.snapshot()["active"] == {
+        "b": {"inflight": 1, **serving},
+        "a-strict": {"inflight": 2, **serving},
+        "a": {"inflight": 1, **serving},
+    }
+    assert metrics.adapter_wait_timeouts.labels("a-strict")._value.get() == 2
+    assert metrics.adapter_wait_timeouts.labels("a")._value.get() == 1
+    await r.release("s1", "s2")
+    assert s.snapshot()["active"] == {"b": {"inflight": 1, **serving}, "a": {"inflight": 1, **serving}}
+    text = metrics.render().decode()
+    assert 'gateway_adapter_wait_seconds_sum{route="a-strict"} 6.0' in text
     assert 'gateway_adapter_wait_seconds_count{route="a"} 1.0' in text
 
 

@@ -4,6 +4,7 @@ engine sees them, the key's priority reaches the engine, and the switch turns it
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,6 +41,40 @@ async def test_a_request_waits_for_its_adapters_turn(serve: Serve) -> None:
     metrics = (await served.http.get("/metrics", headers=ADMIN)).text
     assert 'gateway_adapter_wait_seconds_count{route="json"} 1.0' in metrics
     assert "gateway_adapter_queued_requests 0.0" in metrics
+
+
+SHARED = """
+routes:
+  - {name: shout, adapter: shout}
+  - {name: shout-strict, adapter: shout, system_prompt: Be strict., weight: 3}
+  - {name: json, adapter: json}
+"""
+
+
+async def test_routes_on_one_adapter_are_booked_under_their_own_names(serve: Serve, tmp_path: Path) -> None:
+    """shout and shout-strict share the adapter (one lora id): shout-strict's waits, queue and
+    requests in the engine are still shout-strict's in /metrics and /admin/status."""
+    (tmp_path / "adapters.yaml").write_text(SHARED)
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
+    routes = served.gw.catalog_or_503().table.routes.values()
+    assert len({r.lora.lora_id for r in routes if r.lora is not None and r.name.startswith("shout")}) == 1
+    scheduler = served.gw.scheduler
+    assert scheduler is not None
+    shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
+    await eventually_async(lambda: len(served.engine.calls) == 1, 5, "shout in the engine")
+    strict = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout-strict")))
+    await eventually_async(lambda: len(served.engine.calls) == 2, 5, "shout-strict joined shout")
+    json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    await eventually_async(lambda: scheduler.queued == 1, 5, "json queued")
+    status = (await served.http.get("/admin/status", headers=ADMIN)).json()["lora_scheduler"]
+    one = {"inflight": 1, "draining": False}
+    assert status["active"] == {"shout": one, "shout-strict": one} and status["queued"] == {"json": 1}
+    gate.set()
+    assert [a.status_code for a in await asyncio.gather(shout, strict, json_)] == [200, 200, 200]
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    for route in ("shout", "shout-strict", "json"):
+        assert f'gateway_adapter_wait_seconds_count{{route="{route}"}} 1.0' in metrics
 
 
 async def test_a_client_that_leaves_while_waiting_leaves_no_slot_behind(serve: Serve) -> None:
