@@ -33,11 +33,15 @@ def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
     """Resolve an adapter path, refusing anything that leaves the adapters root."""
     if not raw or raw.startswith(("/", "~", "\\")) or "://" in raw or ".." in Path(raw).parts:
         raise ConfigError(f"adapter path must be relative and inside the adapters root: {raw!r}")
-    root = adapters_root.resolve()
-    path = (root / raw).resolve()  # follows symlinks, so a link out of the root is caught
+    try:
+        root = adapters_root.resolve()
+        path = (root / raw).resolve()  # follows symlinks, so a link out of the root is caught
+        is_dir = path.is_dir()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+        raise ConfigError(f"adapter path {raw!r} cannot be resolved: {one_line(exc)}") from None
     if not path.is_relative_to(root):
         raise ConfigError(f"adapter path escapes the adapters root: {raw!r}")
-    if not path.is_dir():
+    if not is_dir:
         raise ConfigError(f"adapter directory not found: {raw!r}")
     return path
 
@@ -169,10 +173,15 @@ def _check_tensors(
 
 
 def adapter_digest(path: Path) -> str:
+    """The adapter's content digest. A file removed or replaced since it was checked is the
+    entry's ``ConfigError``, not the whole catalog's failure."""
     h = hashlib.sha256()
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         h.update(name.encode())
-        h.update((path / name).read_bytes())
+        try:
+            h.update((path / name).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"{path.name}: {name} is not readable: {one_line(exc)}") from None
     return h.hexdigest()
 
 

@@ -145,7 +145,7 @@ def load_table(
             )
             if snapshots is not None and route.lora is not None:
                 route = _on_snapshot(route, snapshots, lora_ids)
-        except (ConfigError, ValidationError) as exc:
+        except (ConfigError, ValidationError, OSError) as exc:  # OSError: files that changed mid-check
             errors[label] = _one_line(exc)
             log.error("catalog entry %s rejected: %s", label, errors[label])
             continue

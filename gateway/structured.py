@@ -209,8 +209,11 @@ def route_constraint(value: dict[str, Any] | str | None, configs_dir: Path) -> C
 def _schema_file(value: str, configs_dir: Path) -> dict[str, Any]:
     if not value.startswith("file:"):
         raise ConfigError("response_format: a string must be 'file:<path under the catalog folder>'")
-    root = configs_dir.resolve()
-    path = (root / value.removeprefix("file:").strip()).resolve()
+    try:
+        root = configs_dir.resolve()
+        path = (root / value.removeprefix("file:").strip()).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+        raise ConfigError(f"response_format: {value}: {exc}") from None
     if not path.is_relative_to(root):
         raise ConfigError(f"response_format: {value} is outside {root}")
     try:

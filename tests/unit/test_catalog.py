@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from gateway.adapters_check import ModelShapes, safe_adapter_path
+from gateway import catalog as catalog_module
+from gateway.adapters_check import AdapterInfo, ModelShapes, safe_adapter_path
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
 
@@ -154,6 +156,7 @@ def test_defaults_are_carried(tmp_path: Path, root: Path) -> None:
         ("badtargets", "target modules not in the model: lm_head_x"),
         ("badjson", "adapter_config.json is invalid"),
         ("noweights", "missing adapter_model.safetensors"),
+        ("loop", "cannot be resolved"),  # a symlink to itself: Path.resolve() raises
     ],
 )
 def test_bad_entries_are_rejected_and_the_rest_serve(
@@ -166,6 +169,7 @@ def test_bad_entries_are_rejected_and_the_rest_serve(
     make_adapter(root, "badtargets", targets=["q_proj", "lm_head_x"])
     (make_adapter(root, "badjson") / "adapter_config.json").write_text("{not json")
     (make_adapter(root, "noweights") / "adapter_model.safetensors").unlink()
+    os.symlink("loop", root / "loop")
     text = CATALOG + f"  - name: broken\n    adapter: {adapter}\n    strict_base_model: true\n"
     table = table_for(tmp_path, root, text)
     assert "broken" in table.errors
@@ -173,6 +177,35 @@ def test_bad_entries_are_rejected_and_the_rest_serve(
     assert set(table.routes) == {"shout", "json", "concise"}
     with pytest.raises(ModelNotFound):
         table.resolve("broken")
+
+
+def test_weights_gone_between_check_and_digest_reject_only_that_entry(
+    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deploy removes an adapter's files while the catalog reads them."""
+    checked = catalog_module.check_adapter
+
+    def check_then_vanish(path: Path, *args: Any, **kw: Any) -> AdapterInfo:
+        info = checked(path, *args, **kw)
+        if path.name == "json":
+            (path / "adapter_model.safetensors").unlink()
+        return info
+
+    monkeypatch.setattr(catalog_module, "check_adapter", check_then_vanish)
+    table = table_for(tmp_path, root)
+    assert "adapter_model.safetensors is not readable" in table.errors["json"]
+    assert set(table.routes) == {"shout", "concise"}
+
+
+def test_a_response_format_file_that_is_a_symlink_loop_rejects_only_that_entry(
+    tmp_path: Path, root: Path
+) -> None:
+    os.symlink("loop.json", tmp_path / "loop.json")
+    table = table_for(
+        tmp_path, root, CATALOG + "  - {name: looped, system_prompt: x, response_format: 'file:loop.json'}\n"
+    )
+    assert "response_format: file:loop.json" in table.errors["looped"]
+    assert set(table.routes) == {"shout", "json", "concise"}
 
 
 def test_duplicate_names_are_rejected(tmp_path: Path, root: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from unittest.mock import AsyncMock
@@ -339,3 +340,25 @@ async def test_reload_adds_a_route_and_loads_its_adapter(serve: Serve, tmp_path:
     assert_openai_error(
         await served.http.post("/v1/chat/completions", json=chat_body("evil")), 404, "model_not_found"
     )
+
+
+def add_symlink_loop_entry(tmp_path: Path) -> None:
+    os.symlink("loop", tmp_path / "adapters" / "loop")  # adapters/loop -> adapters/loop
+    (tmp_path / "adapters.yaml").write_text(CATALOG + "  - {name: loop, adapter: loop}\n")
+
+
+async def test_reload_rejects_a_symlink_loop_entry_and_keeps_the_rest(serve: Serve, tmp_path: Path) -> None:
+    served = await serve()
+    add_symlink_loop_entry(tmp_path)
+    r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert r.status_code == 200 and "loop" in r.json()["error"]
+    assert r.json()["routes"] == ["concise", "json", "shout"]
+    await still_serves_async(served.http, "shout")
+
+
+async def test_a_symlink_loop_entry_does_not_stop_the_start(serve: Serve, tmp_path: Path) -> None:
+    add_symlink_loop_entry(tmp_path)
+    served = await serve()
+    state = (await served.http.get("/admin/adapters", headers=ADMIN)).json()
+    assert "cannot be resolved" in state["rejected"]["loop"]
+    await still_serves_async(served.http, "shout")
