@@ -74,8 +74,8 @@ class CatalogWatcher:
                     # Cleared before the reload reads the files: a change from here on
                     # sets it again and gets its own round.
                     self.reload_now.clear()
-                    await self.reload()
-                await self.catalog.remove_drained()
+                    await _logged(self.reload(), "catalog reload")
+                await _logged(self.catalog.remove_drained(), "removing drained adapters")
         finally:
             watch.cancel()
             with suppress(asyncio.CancelledError):
@@ -123,3 +123,12 @@ class CatalogWatcher:
             if max(st.st_mtime, st.st_ctime) > since:
                 return str(path)
         return None
+
+
+async def _logged(step: Awaitable[object], what: str) -> None:
+    """Run one step of a round; an error is logged, and the next round runs as usual (an
+    error escaping ``run`` would end hot swap and removals for good, with nothing said)."""
+    try:
+        await step
+    except Exception:
+        log.exception("%s failed; the catalog watcher goes on", what)

@@ -16,6 +16,7 @@ from watchfiles import Change
 
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.watcher import CatalogWatcher
+from tests.helpers import eventually_async
 
 SHIPPED = Path(__file__).resolve().parents[2] / "adapters"
 CATALOG = """
@@ -159,6 +160,41 @@ async def test_a_change_during_a_reload_is_not_lost(tmp_path: Path) -> None:
         gate.set()
         assert await within(2.0, lambda: "broken" in rig.catalog.table.routes)
         assert rig.reloads == 2
+
+
+async def test_a_failed_reload_or_removal_is_logged_and_the_watcher_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anything but a ConfigError from a reload or a removal ended the watcher for good, with
+    nothing logged: no more hot swap, no more removals."""
+    async with watching(tmp_path) as rig:
+        plain_reload, plain_remove = rig.watcher.reload, rig.catalog.remove_drained
+        failed: set[str] = set()
+
+        async def reload_failing_once() -> bool:
+            if "reload" not in failed:
+                failed.add("reload")
+                raise RuntimeError("reload blew up")
+            return await plain_reload()
+
+        async def remove_failing_once() -> list[int]:
+            if "remove" not in failed:
+                failed.add("remove")
+                raise OSError("remove blew up")
+            return await plain_remove()
+
+        rig.watcher.reload = reload_failing_once
+        rig.catalog.remove_drained = remove_failing_once  # type: ignore[method-assign]
+        rig.reload_now.set()
+        await eventually_async(lambda: failed == {"reload", "remove"}, 10, "both steps failed once")
+        config = (SHIPPED / "shout" / "adapter_config.json").read_text()
+        (rig.root / "broken" / "adapter_config.json").write_text(config)
+        await eventually_async(lambda: "broken" in rig.catalog.table.routes, 10, "the fix went live")
+    logged = [r.getMessage() for r in caplog.records if r.name == "gateway.watcher" and r.exc_info]
+    assert logged == [
+        "catalog reload failed; the catalog watcher goes on",
+        "removing drained adapters failed; the catalog watcher goes on",
+    ]
 
 
 def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
