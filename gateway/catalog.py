@@ -15,6 +15,7 @@ so path-like names (``../x``, ``/etc/passwd``, URLs) cannot reach a file.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -246,6 +247,10 @@ def _on_snapshot(route: Route, snapshots: SnapshotDir, lora_ids: LoraIds) -> Rou
     return replace(route, lora=lora, digest=digest)
 
 
+def _lora_ids(table: RoutingTable) -> set[int]:
+    return {r.lora.lora_id for r in table.all_routes() if r.lora is not None}
+
+
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
@@ -307,6 +312,7 @@ class Catalog:
         self._versions_in_use: dict[tuple[str, int], int] = {}  # (route, lora id) -> requests
         self._retired: set[int] = set()
         self._pending_removal: list[int] = []
+        self._lock = asyncio.Lock()  # a reload or a removal of drained versions, one at a time
 
     def acquire(
         self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
@@ -350,15 +356,25 @@ class Catalog:
             self._retired.discard(lora_id)
             self._pending_removal.append(lora_id)
 
-    def reload(self) -> bool:
-        """Build a new table and swap it in; on failure keep serving the last good one."""
+    async def reload(self) -> bool:
+        """Build a new table, swap it in and load its adapters; on failure keep serving the
+        last good one. One at a time with ``remove_drained``: a version that a reload brings
+        back (its files restored) must not be removed from under it."""
+        async with self._lock:
+            if not self._swap():
+                return False
+            await self._load_adapters()
+            return True
+
+    def _swap(self) -> bool:
+        """Build a new table and make it live; False if the catalog file cannot be read."""
         try:
             table = self._build(self._ids)
         except ConfigError as exc:
             self.last_error = str(exc)
             log.error("catalog reload failed, keeping the last good table: %s", exc)
             return False
-        live = {r.lora.lora_id for r in table.all_routes() if r.lora is not None}
+        live = _lora_ids(table)
         for route in self.table.all_routes():
             if route.lora is not None and route.lora.lora_id not in live:
                 if route.lora.lora_id in self._in_use:
@@ -375,6 +391,11 @@ class Catalog:
         return True
 
     async def load_adapters(self) -> dict[str, str]:
+        """The first table's adapters (``reload`` loads each new table's)."""
+        async with self._lock:
+            return await self._load_adapters()
+
+    async def _load_adapters(self) -> dict[str, str]:
         """The one adapter policy, at start and after every reload: each LoRA route's
         weights go into the engine now, so a broken adapter shows at registration and not
         at its first request. A route whose weights the engine refuses is rejected like
@@ -397,12 +418,20 @@ class Catalog:
         return failed
 
     async def remove_drained(self) -> list[int]:
-        """Remove LoRA versions that left the table and have no running request."""
-        removed, self._pending_removal = self._pending_removal, []
-        if self._remove_lora is not None:
-            for lora_id in removed:
-                await self._remove_lora(lora_id)
-        return removed
+        """Remove LoRA versions that left the table and have no running request. Under the
+        reload lock, and each checked against the live table just before it goes: a reload
+        that restores a version either runs first (the version stays) or after its removal
+        (and loads it again, from a fresh copy)."""
+        async with self._lock:
+            pending, self._pending_removal = self._pending_removal, []
+            removed = []
+            for lora_id in pending:
+                if lora_id in _lora_ids(self.table):
+                    continue
+                if self._remove_lora is not None:
+                    await self._remove_lora(lora_id)
+                removed.append(lora_id)
+            return removed
 
     def in_use(self) -> dict[int, int]:
         return dict(self._in_use)

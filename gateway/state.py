@@ -108,10 +108,9 @@ class Gateway:
 
     async def reload_catalog(self) -> bool:
         catalog = self.catalog_or_503()
-        ok = catalog.reload()
+        ok = await catalog.reload()
         self.metrics.reloads.labels("ok" if ok else "error").inc()
         if ok:
-            await catalog.load_adapters()
             self.metrics.set_routes(route_names(catalog.table))
         return ok
 

@@ -156,7 +156,7 @@ def test_pinned_or_preload_on_a_preset_is_rejected(tmp_path: Path) -> None:
     assert t.errors["p"] == "pinned, preload need an adapter"
 
 
-def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
+async def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
     """Files edited in place never change what an engine LoRA id (or name and path,
     vLLM's prefix-cache key) stands for: the engine reads a copy named by its digest."""
     original = copy_adapter(tmp_path)
@@ -185,7 +185,7 @@ def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None:
     (original / "adapter_config.json").write_text((SHIPPED / "json" / "adapter_config.json").read_text())
     weights = (SHIPPED / "json" / "adapter_model.safetensors").read_bytes()
     (original / "adapter_model.safetensors").write_bytes(weights)  # in place, same path
-    assert live.reload()
+    assert await live.reload()
     second = live.table.routes["shout"]
     assert second.lora is not None and second.lora.path != first.lora.path
     assert (Path(first.lora.path) / "adapter_model.safetensors").read_bytes() != weights  # the old copy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -9,12 +10,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 from safetensors.numpy import save_file
 
 from gateway import catalog as catalog_module
+from gateway.adapter_slots import AdapterSlots
 from gateway.adapters_check import AdapterInfo, ModelShapes, safe_adapter_path
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
+from gateway.metrics import GatewayMetrics
+from gateway.snapshots import SnapshotDir
+from tests.unit.fakes import FakeEngine
 
 _SHAPES = {"q_proj": (32, 16), "k_proj": (8, 16), "v_proj": (8, 16), "o_proj": (16, 32)}
 _SHAPES |= {"gate_proj": (48, 16), "up_proj": (48, 16), "down_proj": (16, 48)}
@@ -268,7 +274,7 @@ async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, roo
     assert old is not None
     lease = catalog.acquire("shout")
     save_file(lora_tensors(8, ["q_proj", "v_proj"], "new"), str(root / "shout" / "adapter_model.safetensors"))
-    assert catalog.reload()
+    assert await catalog.reload()
     new = catalog.table.resolve("shout").lora
     assert new is not None and new.lora_id != old.lora_id and new.name == old.name == "shout"
     assert catalog.table.resolve("json").lora == json_before  # untouched adapter keeps its id
@@ -281,10 +287,73 @@ async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, roo
     assert catalog.in_use() == {}
 
 
+class GatedRemoval(FakeEngine):
+    """An engine whose ``remove_lora`` takes a round trip: it waits for ``remove_gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.remove_gate = asyncio.Event()
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self.remove_gate.wait()
+        await super().remove_lora(lora_id)
+
+
+async def test_a_version_restored_while_it_is_being_removed_stays_loaded(tmp_path: Path, root: Path) -> None:
+    """The watcher removes a drained version while an admin reload brings its files back: the
+    reload waits for the removal, then loads the version again (from a fresh copy)."""
+    path = write_catalog(tmp_path, CATALOG)
+    engine = GatedRemoval()
+    snapshots = SnapshotDir(tmp_path / "cache")
+    slots = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, snapshots)
+
+    def build(ids: LoraIds) -> RoutingTable:
+        return load_table(
+            path,
+            base_name="base-model",
+            adapters_root=root,
+            max_lora_rank=16,
+            model_modules=MODULES,
+            lora_ids=ids,
+            snapshots=snapshots,
+        )
+
+    catalog = Catalog(build, slots.remove, slots.register)
+    await catalog.load_adapters()
+    v1 = catalog.table.resolve("shout").lora
+    config = root / "shout" / "adapter_config.json"
+    original = config.read_text()
+    config.write_text(json.dumps({**json.loads(original), "lora_alpha": 32}))
+    assert await catalog.reload()  # v2 is live, v1 is drained
+    removing = asyncio.create_task(catalog.remove_drained())  # the watcher: v1 leaves the engine
+    await asyncio.sleep(0.05)
+    config.write_text(original)  # the operator reverts, and POST /admin/adapters/reload
+    reloading = asyncio.create_task(catalog.reload())
+    await asyncio.sleep(0.05)
+    assert not reloading.done()  # it waits for the removal under way
+    engine.remove_gate.set()
+    assert v1 is not None and await removing == [v1.lora_id]
+    assert await reloading
+    live = catalog.table.resolve("shout").lora
+    assert live == v1 and live.lora_id in engine.loras
+    assert Path(live.path).is_dir()
+    snapshots.close()
+
+
+async def test_a_pending_removal_is_checked_against_the_live_table(tmp_path: Path, root: Path) -> None:
+    removed: list[int] = []
+    catalog, path = live_catalog(tmp_path, root, removed)
+    with_json = catalog.table
+    path.write_text(CATALOG.replace("  - name: json\n    adapter: json\n    tasks: [extract]\n", ""))
+    assert await catalog.reload()
+    catalog.table = with_json  # json's version is live again before its removal ran
+    assert await catalog.remove_drained() == [] and removed == []
+
+
 async def test_unchanged_files_keep_their_id(tmp_path: Path, root: Path) -> None:
     catalog, _ = live_catalog(tmp_path, root, [])
     before = catalog.table.resolve("json").lora
-    assert catalog.reload()
+    assert await catalog.reload()
     assert catalog.table.resolve("json").lora == before
 
 
@@ -293,7 +362,7 @@ async def test_removed_route_leaves_the_engine_when_idle(tmp_path: Path, root: P
     catalog, path = live_catalog(tmp_path, root, removed)
     json_id = catalog.table.resolve("json").lora.lora_id  # type: ignore[union-attr]
     path.write_text(CATALOG.replace("  - name: json\n    adapter: json\n    tasks: [extract]\n", ""))
-    assert catalog.reload()
+    assert await catalog.reload()
     with pytest.raises(ModelNotFound):
         catalog.table.resolve("json")
     assert await catalog.remove_drained() == [json_id]
@@ -303,7 +372,7 @@ async def test_broken_reload_keeps_the_last_good_table(tmp_path: Path, root: Pat
     catalog, path = live_catalog(tmp_path, root, [])
     good = catalog.table
     path.write_text("routes: [oops\n")
-    assert not catalog.reload()
+    assert not await catalog.reload()
     assert catalog.table is good
     assert catalog.last_error and "adapters.yaml" in catalog.last_error
     assert catalog.table.resolve("loud").name == "shout"
@@ -314,13 +383,13 @@ async def test_a_truncated_catalog_keeps_the_last_good_table(tmp_path: Path, roo
     catalog, path = live_catalog(tmp_path, root, [])
     good = catalog.table
     path.write_text("")
-    assert not catalog.reload()
+    assert not await catalog.reload()
     assert catalog.table is good and "empty" in (catalog.last_error or "")
     path.write_text("routes: [oops\n")  # then a broken edit: still the table before the truncation
-    assert not catalog.reload()
+    assert not await catalog.reload()
     assert catalog.table.resolve("loud").name == "shout"
     path.write_text(CATALOG)
-    assert catalog.reload() and catalog.last_error is None
+    assert await catalog.reload() and catalog.last_error is None
 
 
 def test_a_route_weight_is_carried_and_checked(tmp_path: Path, root: Path) -> None:

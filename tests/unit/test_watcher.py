@@ -56,7 +56,7 @@ class Rig:
 
     async def reload(self) -> bool:
         self.reloads += 1
-        return self.catalog.reload()
+        return await self.catalog.reload()
 
 
 @asynccontextmanager
