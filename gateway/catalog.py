@@ -247,6 +247,10 @@ def _on_snapshot(route: Route, snapshots: SnapshotDir, lora_ids: LoraIds) -> Rou
     return replace(route, lora=lora, digest=digest)
 
 
+def _errors_line(table: RoutingTable) -> str | None:
+    return "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
+
+
 def _lora_ids(table: RoutingTable) -> set[int]:
     return {r.lora.lora_id for r in table.all_routes() if r.lora is not None}
 
@@ -357,23 +361,23 @@ class Catalog:
             self._pending_removal.append(lora_id)
 
     async def reload(self) -> bool:
-        """Build a new table, swap it in and load its adapters; on failure keep serving the
-        last good one. One at a time with ``remove_drained``: a version that a reload brings
-        back (its files restored) must not be removed from under it."""
+        """Build a new table, load its adapters, then swap it in; on failure keep serving
+        the last good one. The old table serves while the new one's adapters load, so no
+        request reaches a version before the engine has it (or has refused it). One at a
+        time with ``remove_drained``: a version that a reload brings back (its files
+        restored) must not be removed from under it."""
         async with self._lock:
-            if not self._swap():
+            try:
+                table = self._build(self._ids)
+            except ConfigError as exc:
+                self.last_error = str(exc)
+                log.error("catalog reload failed, keeping the last good table: %s", exc)
                 return False
-            await self._load_adapters()
+            self._swap(await self._register(table))
             return True
 
-    def _swap(self) -> bool:
-        """Build a new table and make it live; False if the catalog file cannot be read."""
-        try:
-            table = self._build(self._ids)
-        except ConfigError as exc:
-            self.last_error = str(exc)
-            log.error("catalog reload failed, keeping the last good table: %s", exc)
-            return False
+    def _swap(self, table: RoutingTable) -> None:
+        """Make ``table`` live; versions that left it drain, then leave the engine."""
         live = _lora_ids(table)
         for route in self.table.all_routes():
             if route.lora is not None and route.lora.lora_id not in live:
@@ -385,26 +389,29 @@ class Catalog:
         # A version that comes back (files restored) before it left the engine stays.
         self._pending_removal = [i for i in self._pending_removal if i not in live]
         self.table = table
-        self.last_error = "; ".join(f"{k}: {v}" for k, v in table.errors.items()) or None
+        self.last_error = _errors_line(table)
         self.reloads += 1
         log.info("catalog reloaded: %d routes, %d rejected", len(table.routes), len(table.errors))
-        return True
 
-    async def load_adapters(self) -> dict[str, str]:
-        """The first table's adapters (``reload`` loads each new table's)."""
+    async def load_adapters(self) -> None:
+        """Load the first table's adapters; the catalog serves only after this (``reload``
+        loads each new table's before the swap)."""
         async with self._lock:
-            return await self._load_adapters()
+            table = await self._register(self.table)
+            if table is not self.table:
+                self.table = table
+                self.last_error = _errors_line(table)
 
-    async def _load_adapters(self) -> dict[str, str]:
-        """The one adapter policy, at start and after every reload: each LoRA route's
-        weights go into the engine now, so a broken adapter shows at registration and not
-        at its first request. A route whose weights the engine refuses is rejected like
-        any invalid entry (``table.errors``, ``last_error``); the other routes keep serving.
-        Returns the rejected routes (name -> why)."""
-        failed: dict[str, str] = {}
+    async def _register(self, table: RoutingTable) -> RoutingTable:
+        """The one adapter policy, at start and at every reload: each LoRA route's weights
+        go into the engine before its table serves, so a broken adapter shows at
+        registration and not at its first request. A route whose weights the engine refuses
+        is rejected like any invalid entry (``table.errors``); the other routes keep serving.
+        Returns ``table`` less those routes."""
         if self._add_lora is None:
-            return failed
-        for route in self.table.routes.values():
+            return table
+        failed: dict[str, str] = {}
+        for route in table.routes.values():
             if route.lora is None:
                 continue
             try:
@@ -412,10 +419,7 @@ class Catalog:
             except GatewayError as exc:
                 failed[route.name] = f"the engine could not load the adapter: {exc.message}"
                 log.error("adapter %s rejected: %s", route.name, failed[route.name])
-        if failed:
-            self.table = self.table.reject(failed)
-            self.last_error = "; ".join(f"{k}: {v}" for k, v in self.table.errors.items())
-        return failed
+        return table.reject(failed) if failed else table
 
     async def remove_drained(self) -> list[int]:
         """Remove LoRA versions that left the table and have no running request. Under the

@@ -81,9 +81,10 @@ class Gateway:
             await self.engine.start()
             self._model_shapes = model_shapes(self.engine.model_path or "")
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
-            self.catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
-            await self.catalog.load_adapters()
-            self.metrics.set_routes(route_names(self.catalog.table))
+            catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
+            await catalog.load_adapters()
+            self.metrics.set_routes(route_names(catalog.table))
+            self.catalog = catalog  # /ready and requests: only once its adapters are loaded
             freeze_startup_heap()
         except (ConfigError, GatewayError) as exc:
             self.startup_error = str(exc)
@@ -110,7 +111,7 @@ class Gateway:
         catalog = self.catalog_or_503()
         ok = await catalog.reload()
         self.metrics.reloads.labels("ok" if ok else "error").inc()
-        if ok:
+        if ok:  # no await since the swap: no request has been counted under the new table
             self.metrics.set_routes(route_names(catalog.table))
         return ok
 

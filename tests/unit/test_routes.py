@@ -15,6 +15,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from gateway.types import LoraSpec
 from tests.helpers import (
     assert_openai_error,
     chat_body,
@@ -22,7 +23,7 @@ from tests.helpers import (
     eventually_async,
     still_serves_async,
 )
-from tests.unit.conftest import ADMIN, BASE, CATALOG, Serve
+from tests.unit.conftest import ADMIN, BASE, CATALOG, Serve, Served, make_adapter
 from tests.unit.fakes import FakeEngine
 
 
@@ -55,6 +56,42 @@ async def test_starting_health_200_ready_503_and_requests_503_with_retry_after(s
     await served.ready()
     assert (await served.http.get("/ready")).json() == {"status": "ready", "model": BASE}
     await still_serves_async(served.http)
+
+
+class GatedAdd(FakeEngine):
+    """An engine whose ``add_lora`` waits for ``add_gate`` (open until a test clears it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_gate = asyncio.Event()
+        self.add_gate.set()
+        self.adds_started = 0
+
+    async def add_lora(self, lora: LoraSpec) -> None:
+        self.adds_started += 1
+        await self.add_gate.wait()
+        await super().add_lora(lora)
+
+
+def requests_counted(served: Served, route: str) -> float:
+    labels = {"route": route, "status": "200", "stream": "false"}
+    return served.gw.metrics.registry.get_sample_value("gateway_requests_total", labels) or 0.0
+
+
+async def test_ready_and_requests_wait_for_the_adapters_to_load(serve: Serve) -> None:
+    """The engine is up, an adapter is still loading: not ready, and no request is served yet
+    (it would reach an adapter not loaded, pinned or preloaded, and count as route unknown)."""
+    engine = GatedAdd()
+    engine.add_gate.clear()
+    served = await serve(engine, wait_ready=False)
+    await eventually_async(lambda: engine.adds_started, 5, "an adapter is loading")
+    ready = await served.http.get("/ready")
+    assert (ready.status_code, ready.json()) == (503, {"status": "starting"})
+    assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("shout")), 503)
+    engine.add_gate.set()
+    await served.ready()
+    await still_serves_async(served.http, "shout")
+    assert requests_counted(served, "shout") == 1
 
 
 async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_path: Path) -> None:
@@ -340,6 +377,28 @@ async def test_reload_adds_a_route_and_loads_its_adapter(serve: Serve, tmp_path:
     assert_openai_error(
         await served.http.post("/v1/chat/completions", json=chat_body("evil")), 404, "model_not_found"
     )
+
+
+async def test_a_reload_serves_the_old_table_until_the_new_adapters_are_loaded(
+    serve: Serve, tmp_path: Path
+) -> None:
+    engine = GatedAdd()
+    served = await serve(engine)
+    make_adapter(tmp_path / "adapters", "hot")
+    (tmp_path / "adapters.yaml").write_text(CATALOG + "  - {name: hot, adapter: hot}\n")
+    engine.add_gate.clear()
+    loads = engine.adds_started
+    reloading = asyncio.create_task(served.http.post("/admin/adapters/reload", headers=ADMIN))
+    await eventually_async(lambda: engine.adds_started > loads, 5, "hot's adapter is loading")
+    assert_openai_error(
+        await served.http.post("/v1/chat/completions", json=chat_body("hot")), 404, "model_not_found"
+    )
+    await still_serves_async(served.http, "shout")
+    engine.add_gate.set()
+    r = await reloading
+    assert r.status_code == 200 and "hot" in r.json()["routes"]
+    await still_serves_async(served.http, "hot")
+    assert requests_counted(served, "hot") == 1
 
 
 def add_symlink_loop_entry(tmp_path: Path) -> None:
