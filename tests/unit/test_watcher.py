@@ -15,7 +15,7 @@ import pytest
 from watchfiles import Change
 
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
-from gateway.watcher import CatalogWatcher
+from gateway.watcher import CatalogWatcher, WatchPlan
 from tests.helpers import eventually_async
 
 SHIPPED = Path(__file__).resolve().parents[2] / "adapters"
@@ -28,14 +28,18 @@ routes:
 
 
 class Rig:
-    def __init__(self, tmp_path: Path) -> None:
-        self.root = tmp_path / "adapters"
-        self.root.mkdir()
+    """An adapters root (``tmp_path/adapters`` unless given; it may be a link) with shout and
+    a broken adapter, and a catalog file (``tmp_path/conf/adapters.yaml`` unless given; it
+    may be a link) naming them and ``later``."""
+
+    def __init__(self, tmp_path: Path, root: Path | None = None, catalog_path: Path | None = None) -> None:
+        self.root = root or tmp_path / "adapters"
+        self.root.mkdir(exist_ok=True)
         shutil.copytree(SHIPPED / "shout", self.root / "shout")
         shutil.copytree(SHIPPED / "shout", self.root / "broken")
         (self.root / "broken" / "adapter_config.json").write_text("{not json")
-        self.catalog_path = tmp_path / "conf" / "adapters.yaml"
-        self.catalog_path.parent.mkdir()
+        self.catalog_path = catalog_path or tmp_path / "conf" / "adapters.yaml"
+        self.catalog_path.parent.mkdir(exist_ok=True)
         self.catalog_path.write_text(CATALOG)
         self.reloads = 0
         self.catalog = Catalog(self.build)
@@ -60,10 +64,12 @@ class Rig:
 
 
 @asynccontextmanager
-async def watching(tmp_path: Path, before: Callable[[Rig], None] | None = None) -> AsyncIterator[Rig]:
-    """A rig with its watcher running (in the test's own event loop); ``before(rig)`` runs
-    after the catalog was read and before the watch starts."""
-    rig = Rig(tmp_path)
+async def watching(
+    tmp_path: Path, before: Callable[[Rig], None] | None = None, **layout: Path
+) -> AsyncIterator[Rig]:
+    """A rig (``layout``: its root or catalog path) with its watcher running (in the test's
+    own event loop); ``before(rig)`` runs after the catalog was read and before the watch starts."""
+    rig = Rig(tmp_path, **layout)
     # The rig wrote its files just now: count them as read (the watcher allows a second of
     # file system clock slack before the read, and would reload once).
     rig.catalog.table = replace(rig.catalog.table, loaded_at=time.time() + 1.0)
@@ -197,6 +203,77 @@ async def test_a_failed_reload_or_removal_is_logged_and_the_watcher_goes_on(
     ]
 
 
+def fix_broken(root: Path) -> None:
+    config = (SHIPPED / "shout" / "adapter_config.json").read_text()
+    (root / "broken" / "adapter_config.json").write_text(config)
+
+
+def drop_in_later(rig: Rig, root: Path) -> None:
+    staging = rig.catalog_path.parent / "staging"
+    shutil.copytree(SHIPPED / "shout", staging)
+    staging.rename(root / "later")
+
+
+async def watches_the_files_as_they_are_now(rig: Rig) -> None:
+    """The watch was set up again for where the paths lead now (its plan is today's)."""
+    w = rig.watcher
+    await eventually_async(
+        lambda: w.watching.is_set() and w.plan == WatchPlan.of(w.catalog_path, w.adapters_root),
+        10,
+        "the watch follows the files",
+    )
+
+
+async def test_an_edit_to_a_catalog_file_linked_from_another_folder_goes_live(tmp_path: Path) -> None:
+    """The catalog file is a link into another folder: edits happen there, not next to the link."""
+    shared = tmp_path / "shared" / "adapters.yaml"
+    shared.parent.mkdir()
+    shared.touch()
+    link = tmp_path / "conf" / "adapters.yaml"
+    link.parent.mkdir()
+    link.symlink_to(shared)
+    async with watching(tmp_path, catalog_path=link) as rig:
+        shared.write_text(CATALOG + "  - {name: concise, system_prompt: Be brief.}\n")
+        await eventually_async(lambda: "concise" in rig.catalog.table.routes, 10, "the edit went live")
+
+
+async def test_an_adapters_root_link_swapped_by_a_deploy_is_watched_again(tmp_path: Path) -> None:
+    """``adapters -> releases/1`` is replaced at once by a link to ``releases/2``."""
+    release1 = tmp_path / "releases" / "1"
+    release1.mkdir(parents=True)
+    root = tmp_path / "adapters"
+    root.symlink_to(release1)
+    async with watching(tmp_path, root=root) as rig:
+        release2 = tmp_path / "releases" / "2"
+        shutil.copytree(release1, release2)
+        fix_broken(release2)
+        (tmp_path / "adapters.new").symlink_to(release2)
+        (tmp_path / "adapters.new").replace(root)
+        await eventually_async(lambda: "broken" in rig.catalog.table.routes, 10, "release 2 went live")
+        await watches_the_files_as_they_are_now(rig)
+        assert rig.watcher.plan.root == release2.resolve()
+        drop_in_later(rig, release2)
+        await eventually_async(
+            lambda: "later" in rig.catalog.table.routes, 10, "an adapter in release 2 went live"
+        )
+
+
+async def test_an_adapters_root_replaced_whole_is_watched_again(tmp_path: Path) -> None:
+    """A deploy deletes the adapters directory and renames a new one into its place."""
+    async with watching(tmp_path) as rig:
+        new_root = tmp_path / "new-root"
+        shutil.copytree(rig.root, new_root)
+        fix_broken(new_root)
+        shutil.rmtree(rig.root)
+        new_root.rename(rig.root)
+        await eventually_async(lambda: "broken" in rig.catalog.table.routes, 10, "the new root went live")
+        await watches_the_files_as_they_are_now(rig)
+        drop_in_later(rig, rig.root)
+        await eventually_async(
+            lambda: "later" in rig.catalog.table.routes, 10, "an adapter in the new root went live"
+        )
+
+
 def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     relevant = rig.watcher.relevant
@@ -206,3 +283,5 @@ def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
     assert relevant(Change.added, str(rig.root.resolve() / "new" / "adapter_config.json"))
     assert not relevant(Change.added, str(conf / "adapters.yaml~"))
     assert not relevant(Change.modified, str(conf / "templates" / "adapters.yaml"))
+    assert relevant(Change.added, str(rig.root))  # the root replaced, or a root link swapped
+    assert not relevant(Change.added, str(rig.root.parent / "adapters.new"))
