@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,11 +248,10 @@ def test_safe_adapter_path_refuses_parent_parts(tmp_path: Path, root: Path) -> N
 
 
 # -- the live catalog: atomic swap, new ids for changed files, drain then remove ------------
-def live_catalog(tmp_path: Path, root: Path, removed: list[int]) -> tuple[Catalog, Path]:
-    path = write_catalog(tmp_path, CATALOG)
-
-    async def remove(lora_id: int) -> None:
-        removed.append(lora_id)
+def table_builder(
+    path: Path, root: Path, snapshots: SnapshotDir | None = None
+) -> Callable[[LoraIds], RoutingTable]:
+    """What the gateway's ``build_table`` does, for the catalog file ``path``."""
 
     def build(ids: LoraIds) -> RoutingTable:
         return load_table(
@@ -261,9 +261,19 @@ def live_catalog(tmp_path: Path, root: Path, removed: list[int]) -> tuple[Catalo
             max_lora_rank=16,
             model_modules=MODULES,
             lora_ids=ids,
+            snapshots=snapshots,
         )
 
-    return Catalog(build, remove), path
+    return build
+
+
+def live_catalog(tmp_path: Path, root: Path, removed: list[int]) -> tuple[Catalog, Path]:
+    path = write_catalog(tmp_path, CATALOG)
+
+    async def remove(lora_id: int) -> None:
+        removed.append(lora_id)
+
+    return Catalog(table_builder(path, root), remove), path
 
 
 async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, root: Path) -> None:
@@ -307,16 +317,7 @@ async def test_a_version_restored_while_it_is_being_removed_stays_loaded(tmp_pat
     snapshots = SnapshotDir(tmp_path / "cache")
     slots = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, snapshots)
 
-    def build(ids: LoraIds) -> RoutingTable:
-        return load_table(
-            path,
-            base_name="base-model",
-            adapters_root=root,
-            max_lora_rank=16,
-            model_modules=MODULES,
-            lora_ids=ids,
-            snapshots=snapshots,
-        )
+    build = table_builder(path, root, snapshots)
 
     catalog = Catalog(build, slots.remove, slots.register)
     await catalog.load_adapters()
