@@ -234,9 +234,12 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
 
 
 def describe_validation_error(exc: ValidationError) -> str:
+    """The first error in one line, with the rejected value unless it lies under ``auth``:
+    there it may be an API key, and this line goes to stderr and the logs."""
     first = exc.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "settings"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     value = first.get("input")
-    shown = f" (got {value!r})" if isinstance(value, (str, int, float)) else ""
+    secret = first["loc"][:1] == ("auth",)
+    shown = f" (got {value!r})" if isinstance(value, (str, int, float)) and not secret else ""
     return f"{field}: {first['msg']}{shown}{more}"

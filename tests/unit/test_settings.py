@@ -13,9 +13,21 @@ from gateway.settings import PROJECT_ROOT, load_settings
 
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("GATEWAY_CONFIG", "GATEWAY_ENGINE__MAX_NUM_SEQS", "GATEWAY_SERVER__PORT"):
+    for name in (
+        "GATEWAY_CONFIG",
+        "GATEWAY_ENGINE__MAX_NUM_SEQS",
+        "GATEWAY_SERVER__PORT",
+        "GATEWAY_AUTH__KEYS",
+    ):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+@pytest.fixture
+def empty_config(env: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    path = tmp_path / "empty.yaml"
+    path.write_text("{}\n")
+    return str(path)
 
 
 @pytest.fixture
@@ -90,6 +102,20 @@ def test_invalid_setting_is_one_line_naming_the_field(
     message = str(info.value)
     assert message.startswith(field + ":")
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("entry", "secret"),
+    [
+        ({"name": "a", "key": "sk-shrt"}, "sk-shrt"),  # below min_length
+        ({"name": "a", "api_key": "sk-live-0123456789abcdef"}, "sk-live-0123456789abcdef"),  # misspelt field
+        ({"name": "a", "key": 1234567890123}, "1234567890123"),  # YAML reads an all-digit key as int
+    ],
+)
+def test_a_rejected_api_key_is_not_echoed(empty_config: str, entry: dict[str, object], secret: str) -> None:
+    with pytest.raises(ConfigError, match=r"^auth\.keys\.0\.") as info:
+        load_settings({"config": empty_config, "auth.keys": [entry]})
+    assert secret not in str(info.value)
 
 
 def test_invalid_env_value_names_the_field(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
