@@ -99,6 +99,15 @@ class ApiKey(_Section):
         0, ge=-1000, le=1000, description="lower goes first, as vLLM's priority: LoRA queue, engine"
     )
 
+    @field_validator("key")
+    @classmethod
+    def _sendable(cls, value: str | None) -> str | None:
+        # The middleware reads the header as latin-1 and strips the bearer token, so a key
+        # outside printable ASCII, or with whitespace around it, could never match.
+        if value is not None and not (value.isascii() and value.isprintable() and value == value.strip()):
+            raise ValueError("must be printable ASCII with no whitespace around it")
+        return value
+
     @model_validator(mode="after")
     def _hash_plaintext(self) -> ApiKey:
         if self.key is not None:

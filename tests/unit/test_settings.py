@@ -118,6 +118,14 @@ def test_a_rejected_api_key_is_not_echoed(empty_config: str, entry: dict[str, ob
     assert secret not in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["sk-pässwort-0001", "sk-trailing-space ", " sk-leading-space"])
+def test_a_key_no_header_can_carry_is_refused(empty_config: str, key: str) -> None:
+    """The header is read as latin-1 and the bearer token stripped: such a key never matches."""
+    with pytest.raises(ConfigError, match=r"^auth\.keys\.0\.key: .*printable ASCII") as info:
+        load_settings({"config": empty_config, "auth.keys": [{"name": "a", "key": key}]})
+    assert key.strip() not in str(info.value)
+
+
 def test_invalid_env_value_names_the_field(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
     env.setenv("GATEWAY_SERVER__PORT", "not-a-port")
     with pytest.raises(ConfigError, match=r"^server\.port:"):
