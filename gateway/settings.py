@@ -125,6 +125,20 @@ class AuthSettings(_Section):
     keys: list[ApiKey] = Field(default_factory=list)
     public_metrics: bool = False
 
+    @field_validator("keys")
+    @classmethod
+    def _distinct(cls, keys: list[ApiKey]) -> list[ApiKey]:
+        """A key's name is its identity (its ``max_concurrency`` count, the owner of its stored
+        responses), so two keys may not share one; nor may two names share a key."""
+        named: dict[str, str] = {}  # sha256 -> name
+        for key in keys:
+            if key.name in named.values():
+                raise ValueError(f"two keys are named {key.name!r}")
+            if key.sha256 in named:
+                raise ValueError(f"keys {named[key.sha256]!r} and {key.name!r} are the same key")
+            named[key.sha256 or ""] = key.name
+        return keys
+
 
 class LimitSettings(_Section):
     max_body_bytes: int = Field(2 * 1024 * 1024, gt=0)

@@ -126,6 +126,21 @@ def test_a_key_no_header_can_carry_is_refused(empty_config: str, key: str) -> No
     assert key.strip() not in str(info.value)
 
 
+def test_two_keys_with_one_name_are_refused(empty_config: str) -> None:
+    """The name is the identity for max_concurrency and the owner of stored responses."""
+    keys = [{"name": "team", "key": "sk-team-key-one"}, {"name": "team", "key": "sk-team-key-two"}]
+    with pytest.raises(ConfigError, match=r"^auth\.keys: .*two keys are named 'team'") as info:
+        load_settings({"config": empty_config, "auth.keys": keys})
+    assert "sk-team" not in str(info.value)
+
+
+def test_one_key_under_two_names_is_refused(empty_config: str) -> None:
+    keys = [{"name": "a", "key": "sk-shared-key"}, {"name": "b", "key": "sk-shared-key"}]
+    with pytest.raises(ConfigError, match=r"^auth\.keys: .*keys 'a' and 'b' are the same key") as info:
+        load_settings({"config": empty_config, "auth.keys": keys})
+    assert "sk-shared" not in str(info.value)
+
+
 def test_invalid_env_value_names_the_field(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
     env.setenv("GATEWAY_SERVER__PORT", "not-a-port")
     with pytest.raises(ConfigError, match=r"^server\.port:"):
