@@ -63,8 +63,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        found[key.strip()] = yaml.safe_load(value)
+        found[key.strip()] = _yaml_value(key.strip(), value)
     return found
+
+
+def _yaml_value(key: str, value: str) -> Any:
+    """``value`` read as YAML; the error names the problem, not the value (it may be a key)."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "unreadable"
+        raise ConfigError(f"--set {key}: the value is not valid YAML ({problem})") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -230,8 +230,10 @@ class GatewaySettings(BaseSettings):
 
 def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
-    for part in parents:
+    for depth, part in enumerate(parents, 1):
         target = target.setdefault(part, {})
+        if not isinstance(target, dict):  # e.g. --max-num-seqs 4 --set engine.max_num_seqs.x=1
+            raise ConfigError(f"{dotted}: {'.'.join(parents[:depth])} is a value, not a section")
     target[leaf] = value
 
 

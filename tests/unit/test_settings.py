@@ -172,6 +172,26 @@ def test_cli_invalid_setting_exits_2_without_traceback(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "engine.dtype=[unclosed"], "error: --set engine.dtype: the value is not valid YAML ("),
+        (
+            ["--max-num-seqs", "4", "--set", "engine.max_num_seqs.x=1"],
+            "error: engine.max_num_seqs.x: engine.max_num_seqs is a value, not a section\n",
+        ),
+    ],
+)
+def test_cli_bad_set_is_one_line_and_exit_2(
+    empty_config: str, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from gateway.cli import main
+
+    assert main(["adapters", "list", "--config", empty_config, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+
+
 def test_lora_scheduling_knobs(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
