@@ -212,39 +212,69 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import httpx
 
+    if not args.url.lower().startswith(("http://", "https://")):
+        raise ConfigError(f"--url must start with http:// or https:// (got {args.url!r})")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
+            return _converse(client, args)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        print(f"error: {args.url}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _converse(client: Any, args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     one_shot = " ".join(args.message)
-    with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
-        model = args.model or (None if args.task else _base_model(client))
-        while True:
-            text = one_shot or _ask()
-            if text is None:
-                return 0
-            history.append({"role": "user", "content": text})
-            body: dict[str, Any] = {"model": model, "messages": history, "stream": True}
-            if args.task:
-                body["task"] = args.task
-            answer = []
-            with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    print(
-                        f"error {response.status_code}: {response.json()['error']['message']}",
-                        file=sys.stderr,
-                    )
+    model = args.model or (None if args.task else _base_model(client))
+    while True:
+        text = one_shot or _ask()
+        if text is None:
+            return 0
+        history.append({"role": "user", "content": text})
+        body: dict[str, Any] = {"model": model, "messages": history, "stream": True}
+        if args.task:
+            body["task"] = args.task
+        answer = []
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                print(f"error {response.status_code}: {_error_message(response)}", file=sys.stderr)
+                return 1
+            print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:  # the stream failed after it started
+                    print()
+                    print(f"error: {_message(event, line[6:206])}", file=sys.stderr)
                     return 1
-                print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        for choice in json.loads(line[6:]).get("choices", []):
-                            piece = choice["delta"].get("content") or ""
-                            answer.append(piece)
-                            print(piece, end="", flush=True)
-            print()
-            history.append({"role": "assistant", "content": "".join(answer)})
-            if one_shot:
-                return 0
+                for choice in event.get("choices", []):
+                    piece = choice["delta"].get("content") or ""
+                    answer.append(piece)
+                    print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(answer)})
+        if one_shot:
+            return 0
+
+
+def _error_message(response: Any) -> str:
+    """The message of an error answer; the start of its body when that is not OpenAI's error
+    JSON (a proxy in front answering with an HTML page)."""
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    return _message(data, response.text[:200])
+
+
+def _message(data: Any, fallback: str) -> str:
+    try:
+        return str(data["error"]["message"])
+    except (KeyError, TypeError):
+        return fallback
 
 
 def _base_model(client: Any) -> str | None:

@@ -1,12 +1,17 @@
-"""Settings precedence (CLI > env > YAML > defaults), one test per pair, and clear errors."""
+"""Settings precedence (CLI > env > YAML > defaults), one test per pair, and clear errors,
+from settings and from the CLI (``chat`` included)."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway.cli import _overrides, build_parser
+from gateway.cli import _overrides, build_parser, main
 from gateway.errors import ConfigError
 from gateway.settings import PROJECT_ROOT, load_settings
 
@@ -163,8 +168,6 @@ def test_malformed_yaml_is_one_line(env: pytest.MonkeyPatch, tmp_path: Path) -> 
 def test_cli_invalid_setting_exits_2_without_traceback(
     env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], yaml_file: Path
 ) -> None:
-    from gateway.cli import main
-
     code = main(["adapters", "validate", "--config", str(yaml_file), "--max-num-seqs", "0"])
     err = capsys.readouterr().err
     assert code == 2
@@ -185,8 +188,6 @@ def test_cli_invalid_setting_exits_2_without_traceback(
 def test_cli_bad_set_is_one_line_and_exit_2(
     empty_config: str, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    from gateway.cli import main
-
     assert main(["adapters", "list", "--config", empty_config, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
@@ -208,3 +209,79 @@ def test_lora_scheduling_knobs(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for bad in ({"limits.lora_scheduling": "fifo"}, {"limits.max_adapter_wait_s": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             load_settings({"config": str(empty), **bad})
+
+
+class FakeGateway(http.server.ThreadingHTTPServer):
+    """Answers every request with ``reply``: (status, content type, body)."""
+
+    reply = (200, "application/json", b"{}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Reply(http.server.BaseHTTPRequestHandler):
+    server: FakeGateway
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        status, ctype, body = self.server.reply
+        self.send_response(status)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_gateway() -> Iterator[FakeGateway]:
+    with FakeGateway(("127.0.0.1", 0), _Reply) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield server
+        server.shutdown()
+
+
+def chat(url: str) -> list[str]:
+    return ["chat", "--url", url, "--model", "m", "hi"]
+
+
+def test_cli_chat_with_the_server_down_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeGateway(("127.0.0.1", 0), _Reply) as server:
+        url = server.url  # a port nothing listens on once closed
+    assert main(chat(url)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {url}: ") and err.count("\n") == 1
+
+
+def test_cli_chat_url_without_a_scheme_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(chat("localhost:8000")) == 2
+    assert (
+        capsys.readouterr().err == "error: --url must start with http:// or https:// (got 'localhost:8000')\n"
+    )
+
+
+def test_cli_chat_error_body_that_is_not_json(
+    fake_gateway: FakeGateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_gateway.reply = (502, "text/html", b"<html>502 Bad Gateway</html>")  # a proxy in front
+    assert main(chat(fake_gateway.url)) == 1
+    assert capsys.readouterr().err == "error 502: <html>502 Bad Gateway</html>\n"
+
+
+def test_cli_chat_error_event_mid_stream_is_reported(
+    fake_gateway: FakeGateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hel"}}]}
+    error = {
+        "error": {"message": "engine died", "type": "server_error", "param": None, "code": "engine_error"}
+    }
+    body = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(error)}\n\n".encode()
+    fake_gateway.reply = (200, "text/event-stream", body)
+    assert main(chat(fake_gateway.url)) == 1
+    out, err = capsys.readouterr()
+    assert out == "[None] Hel\n" and err == "error: engine died\n"
