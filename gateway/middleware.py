@@ -5,7 +5,8 @@ Outermost first:
 - ``RequestIdMiddleware``: accepts a sane ``x-request-id`` or makes one, returns it, and
   turns any unexpected exception into an OpenAI-shaped 500 instead of a traceback page.
 - ``AccessLogMiddleware``: one JSON line per request (``gateway.access`` logger) and the
-  request metrics, from a ``RequestRecord`` the app fills in as the request flows.
+  request metrics, from a ``RequestRecord`` the app fills in as the request flows. A client
+  that leaves while sending its body is a 499 there, not an error.
 - ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
   HTTP implementation enforces a limit).
 - ``AuthMiddleware``: deny by default. Decisions use the raw ASGI ``scope["path"]``, the
@@ -26,6 +27,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import (
@@ -113,6 +115,8 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, send_status)
+        except ClientDisconnect:  # it left while sending its body: no one to answer, no error
+            record.disconnected = True
         finally:
             record.finish()
             if record.status == 0:  # nothing was sent: the client left, or we failed

@@ -1,10 +1,14 @@
 """The middleware through the whole app in-process: deny-by-default auth, scoped and admin
-keys, the header limit, and admission (429 at capacity and per key, 503 while draining)."""
+keys, the header limit, admission (429 at capacity and per key, 503 while draining), and the
+access log."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import Awaitable
+from typing import Any
 
 import httpx
 import pytest
@@ -291,3 +295,45 @@ async def test_request_id_is_returned(serve: Serve) -> None:
     assert len(unsafe.headers["x-request-id"]) == 32  # replaced, not echoed
     refused = await served.http.get("/v1/models", headers={**NO_KEY, "x-request-id": "denied-1"})
     assert refused.headers["x-request-id"] == "denied-1"  # errors from middleware carry it too
+
+
+async def test_a_client_leaving_during_its_upload_is_499_not_an_error(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    served = await serve()
+    body = json.dumps(chat_body("base")).encode()
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("gateway.test", 80),
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    messages = iter(
+        [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
+    )
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return next(messages)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.INFO):
+        await served.app(scope, receive, send)
+    access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sent == []  # nothing is written to a client that has gone
+    labels = {"route": "unknown", "status": "499", "stream": "false"}
+    assert served.gw.metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
+    assert served.gw.admission.inflight == 0
