@@ -158,6 +158,11 @@ class Principal:
     def may_use(self, route: str) -> bool:
         return self.routes is None or route in self.routes
 
+    def may_read_metrics(self) -> bool:
+        """Metrics name every route, so a key limited to some routes would learn of the others
+        (``/v1/models`` hides them). A key with no route at all is a scrape key."""
+        return self.admin or self.routes is None or not self.routes
+
 
 class AuthMiddleware:
     def __init__(self, app: ASGIApp, keys: list[ApiKey], public_paths: frozenset[str]) -> None:

@@ -133,7 +133,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models/{name}"): Operation(
         "Retrieve a model", {JSON: "Model"}, None, _KEYED + (404, 503), "models"
     ),
-    ("GET", "/metrics"): Operation("Prometheus metrics", {TEXT: ""}, None, _KEYED, "operations"),
+    ("GET", "/metrics"): Operation("Prometheus metrics", {TEXT: ""}, None, _KEYED + (403,), "operations"),
     ("GET", "/health"): Operation("Liveness", {JSON: "Status"}, None, (431, 503), "operations"),
     ("GET", "/ready"): Operation(
         "Readiness: the engine is up, not draining", {JSON: "Status"}, None, (431, 503), "operations"

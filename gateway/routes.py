@@ -17,7 +17,7 @@ from starlette.routing import Route as HttpRoute
 
 from gateway.adapter_slots import AdapterSlots
 from gateway.catalog import Catalog, Lease, Route
-from gateway.errors import InvalidRequest, ModelNotFound, NotFound
+from gateway.errors import InvalidRequest, ModelNotFound, NotFound, PermissionDenied
 from gateway.metrics import RequestRecord
 from gateway.middleware import Principal
 from gateway.openapi import openapi_json
@@ -326,6 +326,9 @@ async def get_model(request: Request) -> Response:
 
 # -- operations -----------------------------------------------------------------------------
 async def metrics(request: Request) -> Response:
+    principal = _principal(request)  # None when auth.public_metrics makes the path public
+    if principal is not None and not principal.may_read_metrics():
+        raise PermissionDenied("a key limited to some routes may not read /metrics", code="scoped_key")
     gw = _gateway(request)
     m = gw.metrics
     m.engine_up.set(1 if gw.engine.ready else 0)

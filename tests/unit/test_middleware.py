@@ -117,6 +117,31 @@ async def test_a_key_limited_to_routes_sees_only_those(serve: Serve) -> None:
     assert len(served.engine.calls) == 1  # only the allowed request reached the engine
 
 
+async def test_a_key_limited_to_routes_may_not_read_metrics(serve: Serve) -> None:
+    """Metrics name every route: the key would learn of the routes /v1/models hides from it."""
+    scrape = "sk-test-scrape-only"
+    keys = [
+        {"name": "user", "key": USER_KEY},
+        {"name": "admin", "key": ADMIN_KEY, "admin": True, "routes": ["shout"]},
+        {"name": "shout-only", "key": SHOUT_ONLY_KEY, "routes": ["shout"]},
+        {"name": "scrape", "key": scrape, "routes": []},
+    ]
+    served = await serve(auth__keys=keys)
+    assert (await served.http.post("/v1/chat/completions", json=chat_body("json"))).status_code == 200
+    scoped = await served.http.get("/metrics", headers={"Authorization": f"Bearer {SHOUT_ONLY_KEY}"})
+    err = assert_openai_error(scoped, 403, "scoped_key")
+    assert err["type"] == "permission_error" and 'route="json"' not in scoped.text
+    for key in (USER_KEY, ADMIN_KEY, scrape):
+        r = await served.http.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and 'route="json"' in r.text, key
+
+
+async def test_public_metrics_stay_public_for_a_scoped_key(serve: Serve) -> None:
+    served = await serve(auth__public_metrics=True)
+    r = await served.http.get("/metrics", headers={"Authorization": f"Bearer {SHOUT_ONLY_KEY}"})
+    assert r.status_code == 200
+
+
 async def test_an_unscoped_key_sees_every_route(serve: Serve) -> None:
     served = await serve()
     models = (await served.http.get("/v1/models")).json()["data"]
