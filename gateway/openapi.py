@@ -337,8 +337,8 @@ def _content(media: dict[str, str]) -> dict[str, Any]:
 
 def _error_schema(path: str, status: int) -> str:
     """OpenAI's error object, except where an answer says why in its own shape."""
-    if path in ("/health", "/ready"):
-        return "Status"  # {"status": "starting" | "draining" | "error", ...}
+    if path in ("/health", "/ready") and status == 503:
+        return "Status"  # {"status": "starting" | "draining" | "error", ...}; their 431 is an error
     return "Object" if status == 422 else "Error"  # 422: the reload report
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+import jsonschema
 import pytest
 from openapi_spec_validator import validate
 from starlette.routing import Route
@@ -106,3 +108,32 @@ async def test_a_405_on_a_response_id_allows_both_get_and_delete(serve: Serve) -
     r = await served.http.request("OPTIONS", "/v1/responses/resp_1")
     assert_openai_error(r, 405)
     assert set(r.headers["allow"].split(", ")) == {"GET", "HEAD", "DELETE"}
+
+
+def assert_documented(document: dict[str, Any], method: str, path: str, r: httpx.Response) -> None:
+    """``r``'s status is documented for the operation and its body valid against that schema."""
+    responses = document["paths"][path][method]["responses"]
+    assert str(r.status_code) in responses, (method, path, r.status_code)
+    ref = responses[str(r.status_code)]["content"]["application/json"]["schema"]["$ref"]
+    schema = {
+        **document["components"]["schemas"][ref.rsplit("/", 1)[1]],
+        "components": document["components"],
+    }
+    jsonschema.validate(r.json(), schema)
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready"])
+async def test_a_431_on_health_and_ready_matches_its_documented_schema(serve: Serve, path: str) -> None:
+    """The header limit answers before the route: OpenAI's error object, not a status object."""
+    served = await serve()
+    r = await served.http.get(path, headers={"x-big": "a" * 20_000})
+    assert r.status_code == 431
+    assert_documented(build_document(ROUTES, PUBLIC_PATHS), "get", path, r)
+
+
+async def test_a_503_on_ready_matches_its_documented_schema(serve: Serve) -> None:
+    served = await serve()
+    served.gw.admission.draining = True
+    r = await served.http.get("/ready")
+    assert r.status_code == 503 and r.json() == {"status": "draining"}
+    assert_documented(build_document(ROUTES, PUBLIC_PATHS), "get", "/ready", r)
