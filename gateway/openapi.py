@@ -104,7 +104,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         _KEYED + _BODY + _GENERATE,
     ),
     ("GET", "/v1/responses/{response_id}"): Operation(
-        "Retrieve a stored response of this key", {JSON: "Response"}, None, _KEYED + (404,)
+        "Retrieve a stored response of this key", {JSON: "Response"}, None, _KEYED + (400, 404)
     ),
     ("DELETE", "/v1/responses/{response_id}"): Operation(
         "Delete a stored response of this key", {JSON: "DeletedResponse"}, None, _KEYED + (404,)

@@ -137,3 +137,11 @@ async def test_a_503_on_ready_matches_its_documented_schema(serve: Serve) -> Non
     r = await served.http.get("/ready")
     assert r.status_code == 503 and r.json() == {"status": "draining"}
     assert_documented(build_document(ROUTES, PUBLIC_PATHS), "get", "/ready", r)
+
+
+@pytest.mark.parametrize("query", [{"stream": "true"}, {"include[]": "reasoning"}, {"starting_after": "3"}])
+async def test_a_400_on_retrieving_a_response_is_documented(serve: Serve, query: dict[str, str]) -> None:
+    served = await serve()
+    r = await served.http.get("/v1/responses/resp_1", params=query)
+    assert r.status_code == 400
+    assert_documented(build_document(ROUTES, PUBLIC_PATHS), "get", "/v1/responses/{response_id}", r)
