@@ -4,6 +4,7 @@ vLLM's types only)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,9 +13,32 @@ import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
 from gateway.engine import EngineManager, _sampling_params, one_grammar_backend
-from gateway.errors import InvalidRequest
+from gateway.errors import EngineFailed, InvalidRequest
 from gateway.settings import EngineSettings
 from gateway.types import Constraint, SamplingSpec
+
+
+def _vllm_engine(max_logprobs: int = 20, generate: Any = None) -> Any:
+    """An AsyncLLM stand-in with what ``prepare`` and ``generate`` read of it: vLLM's own
+    structured-outputs config, so the checks are vLLM's."""
+    from vllm.config import StructuredOutputsConfig
+
+    model_config = SimpleNamespace(
+        is_diffusion=False, max_logprobs=max_logprobs, get_vocab_size=lambda: 1000, max_model_len=100
+    )
+    config = SimpleNamespace(
+        model_config=model_config,
+        speculative_config=None,
+        structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
+    )
+    return SimpleNamespace(errored=False, vllm_config=config, generate=generate)
+
+
+def _manager_on(engine: Any) -> EngineManager:
+    manager = EngineManager(EngineSettings(), Path("."))
+    manager._engine = engine
+    manager._tokenizer = object()
+    return manager
 
 
 def test_a_schema_with_an_integer_beyond_64_bits_reaches_the_engine_core() -> None:
@@ -97,3 +121,21 @@ def test_a_python_structured_outputs_config_is_named_too() -> None:
     assert given.backend == "auto"
     assert one_grammar_backend(given) is given and given.backend == "xgrammar"
     assert one_grammar_backend(StructuredOutputsConfig(backend="guidance")).backend == "guidance"
+
+
+async def test_an_engine_finish_reason_error_is_an_engine_failure() -> None:
+    # vLLM's FINISHED_ERROR (the grammar refused a token, a compile or KV load failure) is no
+    # OpenAI finish_reason: vLLM's server answers a 500, or an error event when streaming.
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        for reason in (None, "error"):
+            out = SimpleNamespace(index=0, text="a", token_ids=[7], finish_reason=reason, logprobs=None)
+            yield SimpleNamespace(
+                outputs=[out], prompt_token_ids=[1], finished=bool(reason), prompt_logprobs=None
+            )
+
+    engine = _manager_on(_vllm_engine(generate=generate))
+    texts = []
+    with pytest.raises(EngineFailed):
+        async for step in engine.generate([1], _sampling_params(SamplingSpec(max_tokens=4)), "r", None):
+            texts += [chunk.text for chunk in step.chunks]
+    assert texts == ["a"]
