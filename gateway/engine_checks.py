@@ -8,11 +8,13 @@ vllm import here), so what vLLM would refuse is a 400 instead of an error event.
 
 A constraint the backend has accepted is remembered (bounded), so a schema that every
 request of an app repeats is converted once: vLLM checks each request again when it is
-queued anyway, and the conversion is front-end CPU that delays every first token.
+queued anyway, and the conversion is front-end CPU that delays every first token. The
+other checks are cheap and run for every request, constrained or not.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from collections import OrderedDict
@@ -31,12 +33,18 @@ class RequestChecks:
         self._accepted: OrderedDict[tuple[Any, ...], None] = OrderedDict()
 
     def verify(self, engine: Any, params: Any, tokenizer: Any) -> None:
-        """vLLM's checks of an unconstrained request. Raises what vLLM raises (the engine
-        translates it); a constrained request goes to ``structured`` instead, which runs
-        the same checks with the grammar backend."""
-        verify = getattr(params, "verify", None)
-        if verify is None or params.structured_outputs is not None:
+        """vLLM's checks of every request (logprobs and prompt logprobs against the engine's
+        ``max_logprobs``, logit_bias, stop token ids) but its constraint's, which is
+        ``structured``'s (and remembered there). Raises what vLLM raises (the engine
+        translates it)."""
+        if getattr(params, "verify", None) is None:
             return
+        if params.structured_outputs is not None:
+            # vLLM's verify also has the grammar backend take the constraint: check a copy
+            # without it, so a remembered constraint is not converted again.
+            params = copy.copy(params)
+            params.structured_outputs = None
+        verify = params.verify
         cfg = engine.vllm_config
         try:
             verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, tokenizer)

@@ -17,6 +17,11 @@ from gateway.errors import EngineFailed, InvalidRequest
 from gateway.settings import EngineSettings
 from gateway.types import Constraint, SamplingSpec
 
+# vLLM imports parts of itself lazily (``_translate``, the grammar backend), and those pull in
+# torch.jit, which warns: under filterwarnings=error the import would fail, and ``prepare``
+# would report that as the request's 400, hiding what a test checks.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
 
 def _vllm_engine(max_logprobs: int = 20, generate: Any = None) -> Any:
     """An AsyncLLM stand-in with what ``prepare`` and ``generate`` read of it: vLLM's own
@@ -65,9 +70,7 @@ class _Checks:
 def manager(monkeypatch: pytest.MonkeyPatch) -> tuple[EngineManager, _Checks]:
     checks = _Checks()
     monkeypatch.setattr("gateway.engine_checks._verify_structured", checks)
-    engine = EngineManager(EngineSettings(), Path("."))
-    engine._engine = SimpleNamespace(errored=False)
-    return engine, checks
+    return _manager_on(_vllm_engine()), checks
 
 
 def test_an_accepted_constraint_is_checked_once(manager: tuple[EngineManager, _Checks]) -> None:
@@ -139,3 +142,28 @@ async def test_an_engine_finish_reason_error_is_an_engine_failure() -> None:
         async for step in engine.generate([1], _sampling_params(SamplingSpec(max_tokens=4)), "r", None):
             texts += [chunk.text for chunk in step.chunks]
     assert texts == ["a"]
+
+
+def test_a_constrained_request_gets_the_checks_of_a_plain_one(manager: tuple[EngineManager, _Checks]) -> None:
+    # vLLM checks logprobs against the engine's max_logprobs when the request is queued, after
+    # a stream's 200: a constrained request is checked first too, remembered constraint or not.
+    engine, checks = manager
+    engine._engine = _vllm_engine(max_logprobs=5)
+    json_object = Constraint("json_object")
+    engine.prepare(SamplingSpec(max_tokens=4, logprobs=5, constraint=json_object))
+    for constraint in (None, json_object):
+        with pytest.raises(InvalidRequest, match="logprobs of 10"):
+            engine.prepare(SamplingSpec(max_tokens=4, logprobs=10, constraint=constraint))
+        with pytest.raises(InvalidRequest, match="prompt logprobs"):
+            engine.prepare(SamplingSpec(max_tokens=4, prompt_logprobs=10, constraint=constraint))
+        with pytest.raises(InvalidRequest, match="stop_token_ids"):
+            engine.prepare(SamplingSpec(max_tokens=4, stop_token_ids=(5000,), constraint=constraint))
+    assert checks.calls == 1
+
+
+def test_the_constraint_check_leaves_the_request_its_constraint(
+    manager: tuple[EngineManager, _Checks],
+) -> None:
+    engine, _ = manager
+    params = engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("json_object")))
+    assert params.structured_outputs.json_object is True
