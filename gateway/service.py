@@ -328,7 +328,11 @@ class ChatService:
             raise InvalidRequest(f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
         longest = max([prompt_ids, *(more_prompts or ())], key=len)
         max_tokens = self._token_budget(
-            len(longest), max_tokens, lease, "messages" if id_prefix == "chatcmpl" else "prompt"
+            len(longest),
+            max_tokens,
+            request.min_tokens,
+            lease,
+            "messages" if id_prefix == "chatcmpl" else "prompt",
         )
         constraint, constraint_param = shape
         sampling = _sampling(request, lease.route.defaults, max_tokens, logprobs, constraint)
@@ -351,8 +355,12 @@ class ChatService:
             scheduler=self._scheduler if lease.route.lora is not None else None,
         )
 
-    def _token_budget(self, prompt_len: int, max_tokens: int | None, lease: Lease, prompt_param: str) -> int:
-        """``max_tokens``, or the route's default if None, checked against the context left."""
+    def _token_budget(
+        self, prompt_len: int, max_tokens: int | None, min_tokens: int, lease: Lease, prompt_param: str
+    ) -> int:
+        """``max_tokens``, or the route's default if None (raised to ``min_tokens`` if that
+        is more), checked against the context left. An explicit ``max_tokens`` below
+        ``min_tokens`` is a 400, as in vLLM."""
         context = self._engine.max_model_len
         room = context - prompt_len
         if room <= 0:
@@ -360,6 +368,10 @@ class ChatService:
                 f"This model's maximum context length is {context} tokens, "
                 f"but the prompt has {prompt_len} tokens.",
                 param=prompt_param,
+            )
+        if max_tokens is not None and max_tokens < min_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", param="min_tokens"
             )
         if max_tokens is not None and max_tokens > room:
             raise ContextLengthExceeded(
@@ -369,7 +381,15 @@ class ChatService:
                 param="max_tokens",
             )
         if max_tokens is None:
-            max_tokens = min(lease.route.defaults.max_tokens or self._limits.default_max_tokens, room)
+            default = min(lease.route.defaults.max_tokens or self._limits.default_max_tokens, room)
+            if min_tokens > room:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {context} tokens. However, you requested "
+                    f"at least {prompt_len + min_tokens} tokens ({prompt_len} in the prompt, "
+                    f"min_tokens {min_tokens} for the completion).",
+                    param="min_tokens",
+                )
+            max_tokens = max(default, min_tokens)
         return max_tokens
 
     def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
@@ -404,7 +424,7 @@ def _sampling(
         repetition_penalty=_pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
-        min_tokens=min(request.min_tokens, max_tokens),
+        min_tokens=request.min_tokens,
         min_p=request.min_p or 0.0,
         stop_token_ids=tuple(request.stop_token_ids or ()),
         include_stop_str_in_output=request.include_stop_str_in_output,

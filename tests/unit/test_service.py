@@ -94,6 +94,26 @@ async def test_default_max_tokens_fits_the_room_left() -> None:
     assert engine.calls[0][1].max_tokens == 30 - len(engine.calls[0][0])
 
 
+async def test_min_tokens_above_max_tokens_is_400() -> None:
+    # vLLM refuses it; lowering min_tokens would end answers earlier than asked.
+    service, catalog, _ = setup()
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(chat(max_tokens=5, min_tokens=6), catalog.acquire("concise"))
+    assert info.value.param == "min_tokens"
+
+
+async def test_min_tokens_raises_a_default_max_tokens_within_the_context() -> None:
+    service, catalog, engine = setup(FakeEngine(max_model_len=40))
+    await (await service.chat(chat(min_tokens=8), catalog.acquire("concise"))).collect()  # route: 5
+    assert (engine.calls[0][1].max_tokens, engine.calls[0][1].min_tokens) == (8, 8)
+    room = 40 - len(engine.calls[0][0])
+    await (await service.chat(chat(min_tokens=room), catalog.acquire("concise"))).collect()
+    assert engine.calls[1][1].max_tokens == room
+    with pytest.raises(ContextLengthExceeded) as info:
+        await service.chat(chat(min_tokens=room + 1), catalog.acquire("concise"))
+    assert info.value.param == "min_tokens"
+
+
 @pytest.mark.parametrize(
     ("field", "value", "param"),
     [("n", 5, "n"), ("stop", ["a", "b", "c"], "stop"), ("stop", [""], "stop")],
