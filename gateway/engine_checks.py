@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import logging
 from collections import OrderedDict
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from gateway.structured import xgrammar_gap
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +55,16 @@ class RequestChecks:
 
     def structured(self, engine: Any, params: Any, tokenizer: Any) -> None:
         """Have the grammar backend take the constraint now, as ``add_request`` would
-        later: one it refuses is an InvalidRequest (``param`` response_format; the service
-        names the field it came from). Whatever it raises here is about the constraint."""
+        later: one it refuses, or a schema it would take without enforcing all of it, is an
+        InvalidRequest (``param`` response_format; the service names the field it came
+        from). Whatever it raises here is about the constraint."""
         key = _constraint_key(params.structured_outputs)
         if key in self._accepted:
             self._accepted.move_to_end(key)
             return
+        gap = _unenforced(engine, params.structured_outputs)
+        if gap is not None:
+            raise InvalidRequest(f"the JSON schema {gap}", param="response_format")
         try:
             _verify_structured(engine, params, tokenizer)
         except Exception as exc:
@@ -71,6 +77,16 @@ class RequestChecks:
             self._accepted[key] = None
             if len(self._accepted) > _ACCEPTED_MAX:
                 self._accepted.popitem(last=False)
+
+
+def _unenforced(engine: Any, so: Any) -> str | None:
+    """What xgrammar would decode without enforcing in a JSON schema (keywords it ignores,
+    ``structured.xgrammar_gap``), when the engine's backend is xgrammar: it takes such a
+    schema, and vLLM passes it. Another backend checks what it supports itself."""
+    config = getattr(engine.vllm_config, "structured_outputs_config", None)
+    if so.json is None or getattr(config, "backend", None) != "xgrammar":
+        return None
+    return xgrammar_gap(json.loads(so.json) if isinstance(so.json, str) else so.json)
 
 
 def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:

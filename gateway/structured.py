@@ -6,7 +6,8 @@ A request asks with OpenAI's ``response_format`` (``text``, ``json_object``,
 it. Both become one ``Constraint`` that the engine turns into grammar-constrained
 decoding. Everything is checked here, before a stream starts, so a bad schema is a 400
 and never an error event after the 200: JSON schemas against their meta-schema here, and
-against the engine's grammar backend in ``engine.prepare``.
+against the engine's grammar backend in ``engine.prepare`` (which, under xgrammar, also
+refuses what ``xgrammar_gap`` finds: keywords xgrammar would take and not enforce).
 
 No vllm here, and no field is silently ignored: a key this gateway does not implement
 is a 400 naming it.
@@ -17,7 +18,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +181,182 @@ def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
     except jsonschema.SchemaError as exc:
         return "/".join(str(p) for p in exc.path), exc.message
     return None
+
+
+# -- what the grammar backend enforces ----------------------------------------------------
+# Keywords xgrammar (the default grammar backend) takes and ignores: decoded without them, an
+# answer can break the schema. ``dependencies`` is the older spelling of the two after ``else``.
+_XGRAMMAR_IGNORES = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
+# Where a schema holds schemas (the others hold data: enum, const, default...).
+_SUBSCHEMA = frozenset(
+    {
+        "additionalItems",
+        "additionalProperties",
+        "contains",
+        "contentSchema",
+        "items",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    }
+)
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_REF_HOPS = 16
+
+
+def xgrammar_gap(schema: Any) -> str | None:
+    """What in ``schema`` xgrammar would decode without enforcing (a keyword it ignores, or
+    a ``oneOf`` whose branches may overlap, which it decodes as ``anyOf``), as the end of
+    a message naming the keyword and where; None when it enforces all of it. Sub-schemas
+    anywhere count ($defs, properties, items, anyOf...), and what a local $ref points to."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for keyword in _XGRAMMAR_IGNORES:
+            if keyword in node:
+                return (
+                    f"uses '{keyword}' (at {_at(where, keyword)}), which the grammar backend (xgrammar) "
+                    "does not enforce: answers could break the schema"
+                )
+        branches = node.get("oneOf")
+        if isinstance(branches, list) and not _disjoint(branches, node, schema):
+            return (
+                f"has a 'oneOf' (at {_at(where, 'oneOf')}) whose branches may overlap, which the grammar "
+                "backend (xgrammar) decodes as 'anyOf': use 'anyOf', or give every branch a required "
+                "property with a 'const' of its own"
+            )
+        children = list(_subschemas(node, where))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (target := _local_ref(schema, ref)) is not None:
+            children.append((target, ref.removeprefix("#").removeprefix("/")))
+        stack.extend(reversed(children))
+    return None
+
+
+def _at(where: str, keyword: str) -> str:
+    return f"{where}/{keyword}" if where else keyword
+
+
+def _subschemas(node: dict[str, Any], where: str) -> Iterator[tuple[Any, str]]:
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield sub, f"{_at(where, key)}/{str(name).replace('~', '~0').replace('/', '~1')}"
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield sub, f"{_at(where, key)}/{i}"
+        elif key in _SUBSCHEMA:
+            yield value, _at(where, key)
+
+
+def _local_ref(root: Any, ref: str) -> Any:
+    """What a $ref within the schema (``#``, ``#/$defs/A``) points to; None for any other."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _disjoint(branches: list[Any], parent: dict[str, Any], root: Any) -> bool:
+    """Whether no instance can match two of ``branches`` (so anyOf decodes as oneOf): by
+    their types, their const / enum values, or a property that each branch gives a value
+    of its own (pydantic's discriminated unions; at most one branch may leave it out, as
+    pydantic does for a tag with a default). Only what is provable counts."""
+    resolved = [_resolved(b, root) for b in branches if b is not False]  # false matches nothing
+    if len(resolved) <= 1:
+        return True
+    merged = [b for b in resolved if b is not None]
+    if len(merged) < len(resolved):
+        return False
+    types = [_types(b, parent) for b in merged]
+    if all(t is not None for t in types) and _apart(types):
+        return True
+    values = [_values(b) for b in merged]
+    if all(v is not None for v in values) and _apart(values):
+        return True
+    if any(t != frozenset({"object"}) for t in types):
+        return False
+    properties: list[dict[str, Any]] = [
+        b["properties"] if isinstance(b.get("properties"), dict) else {} for b in merged
+    ]
+    for name in sorted(set.intersection(*(set(p) for p in properties))):
+        tags = [_values(_resolved(p[name], root)) for p in properties]
+        left_out = sum(name not in _required(b, parent) for b in merged)
+        if left_out <= 1 and all(t is not None for t in tags) and _apart(tags):
+            return True
+    return False
+
+
+def _resolved(schema: Any, root: Any) -> dict[str, Any] | None:
+    """``schema`` merged with what its local $ref chain points to (an instance meets every
+    keyword of both, so each one found here holds); None for a schema that is not an object."""
+    merged: dict[str, Any] = {}
+    for _ in range(_REF_HOPS):
+        if not isinstance(schema, dict):
+            return None
+        merged = {**schema, **merged}
+        ref = schema.get("$ref")
+        schema = _local_ref(root, ref) if isinstance(ref, str) else None
+        if schema is None:
+            break
+    return merged
+
+
+def _types(schema: dict[str, Any], parent: dict[str, Any]) -> frozenset[str] | None:
+    kind = schema.get("type", parent.get("type"))
+    kinds = [kind] if isinstance(kind, str) else kind
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        return None
+    return frozenset("number" if k == "integer" else k for k in kinds)  # an integer is a number
+
+
+def _values(schema: dict[str, Any] | None) -> frozenset[Any] | None:
+    if schema is None:
+        return None
+    if "const" in schema:
+        return frozenset([_canonical(schema["const"])])
+    if isinstance(schema.get("enum"), list):
+        return frozenset(_canonical(v) for v in schema["enum"])
+    return None
+
+
+def _canonical(value: Any) -> Any:
+    """A hashable form of a JSON value under JSON Schema's equality (1 == 1.0, true != 1)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (type(value).__name__, value)
+    if isinstance(value, int | float):
+        number = float(value)
+        return ("number", number) if number == number else ("number", "nan")
+    if isinstance(value, list):
+        return ("array", tuple(_canonical(v) for v in value))
+    if isinstance(value, dict):
+        return ("object", tuple(sorted((str(k), _canonical(v)) for k, v in value.items())))
+    return ("other", repr(value))
+
+
+def _required(schema: dict[str, Any], parent: dict[str, Any]) -> set[str]:
+    names: set[str] = set()
+    for given in (schema.get("required"), parent.get("required")):
+        if isinstance(given, list):
+            names.update(n for n in given if isinstance(n, str))
+    return names
+
+
+def _apart(sets: list[Any]) -> bool:
+    """Whether the sets are pairwise disjoint."""
+    return sum(len(s) for s in sets) == len(frozenset().union(*sets))
 
 
 def _is_json(text: str) -> bool:

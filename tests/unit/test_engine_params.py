@@ -39,6 +39,9 @@ def _vllm_engine(max_logprobs: int = 20, generate: Any = None) -> Any:
     return SimpleNamespace(errored=False, vllm_config=config, generate=generate)
 
 
+_NOT = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}
+
+
 def _manager_on(engine: Any) -> EngineManager:
     manager = EngineManager(EngineSettings(), Path("."))
     manager._engine = engine
@@ -167,3 +170,93 @@ def test_the_constraint_check_leaves_the_request_its_constraint(
     engine, _ = manager
     params = engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("json_object")))
     assert params.structured_outputs.json_object is True
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}, "required": ["a"]},
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "if": {"properties": {"a": {"const": 1}}},
+            "then": {"required": ["b"]},
+        },
+        {"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+    ],
+)
+def test_a_schema_xgrammar_would_not_enforce_is_refused(schema: dict[str, Any]) -> None:
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    bad = '{"a": 1}'  # breaks the schema, and xgrammar would let the model write it
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(bad))
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(schema), bad)
+    engine = _manager_on(_vllm_engine())
+    with pytest.raises(InvalidRequest, match="the JSON schema (uses|has a) '[a-zA-Z]+' \\(at ") as info:
+        engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("json", schema)))
+    assert info.value.param == "response_format"  # the service names the field it came from
+
+
+def test_a_disjoint_one_of_reaches_xgrammar() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"type": "string"}]}},
+        "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}},
+    }
+    params = _manager_on(_vllm_engine()).prepare(
+        SamplingSpec(max_tokens=4, constraint=Constraint("json", schema))
+    )
+    assert params.structured_outputs._backend == "xgrammar"
+
+
+def test_another_backend_judges_its_own_keywords(manager: tuple[EngineManager, _Checks]) -> None:
+    from vllm.config import StructuredOutputsConfig
+
+    engine, checks = manager
+    engine._engine.vllm_config.structured_outputs_config = StructuredOutputsConfig(backend="guidance")
+    engine.prepare(
+        SamplingSpec(max_tokens=4, constraint=Constraint("json", {"type": "integer", "not": {"const": 1}}))
+    )
+    assert checks.calls == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": _NOT}}},
+            "response_format",
+        ),
+        ({"structured_outputs": {"json": _NOT}}, "structured_outputs"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": _NOT}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+async def test_an_unenforced_schema_is_a_400_on_the_field_it_came_from(
+    body: dict[str, Any], param: str
+) -> None:
+    from gateway.catalog import Catalog, Route, RoutingTable
+    from gateway.protocol import ChatCompletionRequest
+    from gateway.service import ChatService
+    from gateway.settings import LimitSettings
+    from tests.unit.fakes import FakeTokenizer
+
+    engine = _manager_on(_vllm_engine())
+    engine._tokenizer, engine._max_model_len = FakeTokenizer(), 1000
+    table = RoutingTable(base=Route(name="b", kind="base"), routes={}, errors={})
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    with pytest.raises(InvalidRequest, match="'not'") as info:
+        await ChatService(engine, LimitSettings()).chat(request, Catalog(lambda ids: table).acquire(None))
+    assert info.value.param == param

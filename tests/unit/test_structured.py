@@ -18,6 +18,7 @@ from gateway.structured import (
     parse_structured_outputs,
     request_constraint,
     route_constraint,
+    xgrammar_gap,
 )
 from gateway.types import Constraint
 
@@ -206,3 +207,111 @@ def test_bad_and_deep_schemas_are_refused_every_time(repeat: int) -> None:
         deep = {"not": deep}
     with pytest.raises(InvalidRequest, match="nested too deeply"):
         check_schema(deep, "response_format")
+
+
+# -- what xgrammar (the default grammar backend) would take without enforcing -------------
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "integer", "not": {"const": 1}}, "'not' (at not)"),
+        ({"type": "object", "properties": {"a": {"not": {}}}}, "'not' (at properties/a/not)"),
+        ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 9}}, "'if' (at if)"),
+        ({"type": "integer", "else": {"maximum": 0}}, "'else' (at else)"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired' (at dependentRequired)"),
+        ({"type": "object", "dependentSchemas": {"a": {}}}, "'dependentSchemas' (at dependentSchemas)"),
+        ({"type": "object", "dependencies": {"a": ["b"]}}, "'dependencies' (at dependencies)"),
+        ({"$defs": {"A": {"not": {}}}, "$ref": "#/$defs/A"}, "'not' (at $defs/A/not)"),
+        ({"definitions": {"A/B": {"not": {}}}}, "'not' (at definitions/A~1B/not)"),
+        ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"not": {}}]}}, "(at items/anyOf/1/not)"),
+        ({"allOf": [{"prefixItems": [{"if": {}}]}]}, "(at allOf/0/prefixItems/0/if)"),
+    ],
+)
+def test_keywords_xgrammar_ignores_are_named_with_where(schema: dict[str, Any], where: str) -> None:
+    gap = xgrammar_gap(schema)
+    assert gap is not None and where in gap and "does not enforce" in gap
+
+
+@pytest.mark.parametrize(
+    "branches",
+    [
+        [{"type": "integer"}, {"type": "number"}],  # every integer is a number
+        [{"type": "string"}, {"type": "string", "maxLength": 3}],
+        [{"const": 1}, {"const": 1.0}],
+        [{"enum": ["a", "b"]}, {"enum": ["b"]}],
+        [{"type": "object"}, {"type": ["object", "null"]}],
+        [True, {"type": "string"}],
+        # no type: a string matches both
+        [{"properties": {"k": {"const": "a"}}, "required": ["k"]}, {"properties": {"k": {"const": "b"}}}],
+        # two branches may leave the tag out: {} matches both
+        [
+            {"type": "object", "properties": {"k": {"const": "a"}}},
+            {"type": "object", "properties": {"k": {"const": "b"}}},
+        ],
+    ],
+)
+def test_a_one_of_whose_branches_may_overlap_is_named(branches: list[Any]) -> None:
+    gap = xgrammar_gap({"type": "object", "properties": {"v": {"oneOf": branches}}})
+    assert gap is not None and "'oneOf' (at properties/v/oneOf)" in gap and "use 'anyOf'" in gap
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": ["null", "boolean"]}]},
+        {"oneOf": [{"const": 1}, {"const": True}, {"enum": ["1", None]}]},  # true is not 1
+        {"oneOf": [{"type": "string"}, False, {"type": "object"}]},
+        {"oneOf": [{"type": "string", "maxLength": 3}]},
+        {  # the tag's type on the parent, the branches each require it
+            "type": "object",
+            "oneOf": [
+                {"properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]},
+                {"properties": {"k": {"const": "d"}}},  # one may leave it out
+            ],
+        },
+        {  # a property named like a keyword is not one
+            "type": "object",
+            "properties": {"not": {"type": "string"}, "if": {}, "oneOf": {"type": "integer"}},
+            "required": ["not"],
+        },
+        {"type": "array", "items": {"$ref": "#"}},  # recursion ends
+    ],
+)
+def test_what_xgrammar_enforces_passes(schema: dict[str, Any]) -> None:
+    assert xgrammar_gap(schema) is None
+
+
+def test_pydantic_and_openai_sdk_schemas_pass() -> None:
+    from enum import StrEnum
+    from typing import Annotated, Literal
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"] = "dog"  # not required in the schema
+        barks: float
+
+    class Lizard(BaseModel):
+        pet_type: Literal["lizard", "gecko"]
+
+    class Color(StrEnum):
+        red = "red"
+        blue = "blue"
+
+    class Owner(BaseModel):
+        pet: Cat | Dog | Lizard = Field(discriminator="pet_type")
+        pets: list[Annotated[Cat | Dog, Field(discriminator="pet_type")]]
+        maybe: Cat | None = None
+        color: Color
+        n: int | str
+        friend: Owner | None = None
+
+    schema = Owner.model_json_schema()
+    assert "oneOf" in json.dumps(schema)
+    assert xgrammar_gap(schema) is None
+    assert xgrammar_gap(to_strict_json_schema(Owner)) is None
