@@ -242,21 +242,20 @@ def arguments_schema(fn: FunctionDef) -> dict[str, Any]:
 
 def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[str, Any]:
     """A JSON list of one or more calls, each ``{"name": <one tool>, "arguments": <its schema>}``.
-    ``$defs`` of the tools move to the top, where their ``#/$defs/...`` references point."""
+    Each tool's schema is ``$defs/<its name>``, its own ``$defs`` and ``definitions`` beside it
+    (``$defs/<its name>.defs.<key>``, ``.definitions.<key>``), and its references that start
+    at its root (``#``, ``#/...``) point there: the list's root is not the tool's."""
     defs: dict[str, Any] = {}
     branches = []
     for fn in tools:
-        params = dict(arguments_schema(fn))
-        for key, value in (params.pop("$defs", None) or {}).items():
-            if key in defs and defs[key] != value:
-                raise InvalidRequest(
-                    f"tools: two different schemas are both named '$defs/{key}'", param="tools"
-                )
-            defs[key] = value
+        defs.update(_lifted(fn.name, arguments_schema(fn)))
         branches.append(
             {
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": [fn.name]}, "arguments": params},
+                "properties": {
+                    "name": {"type": "string", "enum": [fn.name]},
+                    "arguments": {"$ref": f"#/$defs/{fn.name}"},
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -264,9 +263,58 @@ def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if parallel is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema["$defs"] = defs
     return schema
+
+
+_DEF_MAPS = {"$defs": "defs", "definitions": "definitions"}
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", *_DEF_MAPS})
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def _lifted(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A tool's schema as ``$defs`` entries of the calls list: itself under ``name`` (less its
+    ``$id`` and ``$schema``: it is no document root any more), each schema of its ``$defs`` and
+    ``definitions`` under ``name.defs.<key>`` / ``name.definitions.<key>`` (a tool name has no
+    dot, so no two tools' entries meet), every root-relative ``$ref`` rewritten to match."""
+    root = {k: v for k, v in params.items() if k not in _DEF_MAPS and k not in ("$id", "$schema")}
+    out = {name: _rebased(root, name)}
+    for where, short in _DEF_MAPS.items():
+        found = params.get(where)
+        for key, sub in (found if isinstance(found, dict) else {}).items():
+            out[f"{name}.{short}.{key}"] = _rebased(sub, name)
+    return out
+
+
+def _rebased(schema: Any, name: str) -> Any:
+    if isinstance(schema, list):
+        return [_rebased(s, name) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str):
+            out[key] = _moved_ref(value, name)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _rebased(v, name) for k, v in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, name)
+    return out
+
+
+def _moved_ref(ref: str, name: str) -> str:
+    """``ref`` of the tool ``name`` as the calls list resolves it (see ``_lifted``). The key's
+    segment is kept as written (escaped or not), so it names the lifted entry as it named the
+    original."""
+    if ref == "#":
+        return f"#/$defs/{name}"
+    if not ref.startswith("#/"):
+        return ref  # an anchor or another document: left as it is
+    parts = ref[2:].split("/", 2)
+    if parts[0] in _DEF_MAPS and len(parts) > 1:
+        rest = "".join(f"/{p}" for p in parts[2:])
+        return f"#/$defs/{name}.{_DEF_MAPS[parts[0]]}.{parts[1]}{rest}"
+    return f"#/$defs/{name}{ref[1:]}"
 
 
 # -- model text -> calls -----------------------------------------------------------------

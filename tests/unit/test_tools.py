@@ -115,10 +115,79 @@ def test_required_schema_lifts_defs_to_the_top() -> None:
     }
     fn = {"type": "function", "function": {"name": "put", "parameters": params}}
     schema = plan_tools(request(tools=[fn], tool_choice="required")).constraint.value  # type: ignore[union-attr]
-    assert "Item" in schema["$defs"]
+    assert "put.defs.Item" in schema["$defs"]
     jsonschema.validate([{"name": "put", "arguments": {"item": {"n": 1}}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "put", "arguments": {"item": {"n": "x"}}}], schema)
+
+
+def required_schema(*tools: dict[str, Any]) -> dict[str, Any]:
+    plan = plan_tools(request(tools=list(tools), tool_choice="required"))
+    assert plan.constraint is not None
+    return plan.constraint.value  # type: ignore[no-any-return]
+
+
+def grammar_accepts(schema: dict[str, Any], value: Any) -> bool:
+    """Whether the engine's grammar backend (xgrammar, without an engine) lets ``value`` out."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return bool(
+        _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), json.dumps(value))
+    )
+
+
+TREE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["v"],
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # xgrammar's own imports
+def test_required_keeps_a_recursive_ref_on_the_tool_arguments() -> None:
+    schema = required_schema({"type": "function", "function": {"name": "tree", "parameters": TREE}}, ADD)
+    good = [{"name": "tree", "arguments": {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}}]
+    jsonschema.validate(good[0]["arguments"], TREE)
+    jsonschema.validate(good, schema)  # "#" is the tool's arguments, not the list of calls
+    assert grammar_accepts(schema, good)
+    calls_as_kid = [{"name": "tree", "arguments": {"v": 1, "kids": good}}]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(calls_as_kid, schema)
+    assert not grammar_accepts(schema, calls_as_kid)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_required_lifts_definitions_and_defs_of_each_tool_apart() -> None:
+    def fn(name: str, p_type: str) -> dict[str, Any]:
+        params = {
+            "type": "object",
+            "properties": {
+                "p": {"$ref": "#/definitions/P"},
+                "q": {"$ref": "#/$defs/P"},
+                "r": {"$ref": "#/properties/p"},
+            },
+            "required": ["p", "q"],
+            "definitions": {"P": {"type": p_type}},
+            "$defs": {"P": {"type": "boolean"}},
+        }
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    schema = required_schema(fn("a", "integer"), fn("b", "string"))  # the same names, two schemas
+    good = [
+        {"name": "a", "arguments": {"p": 1, "q": True, "r": 2}},
+        {"name": "b", "arguments": {"p": "x", "q": False}},
+    ]
+    jsonschema.validate(good, schema)
+    assert grammar_accepts(schema, good)
+    for bad in (
+        [{"name": "a", "arguments": {"p": "x", "q": True}}],
+        [{"name": "b", "arguments": {"p": "x", "q": 1}}],
+        [{"name": "a", "arguments": {"p": 1, "q": True, "r": "x"}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        assert not grammar_accepts(schema, bad)
 
 
 @pytest.mark.parametrize(
