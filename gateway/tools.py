@@ -236,8 +236,23 @@ def uses_tools(plan: ToolPlan, messages: list[Message]) -> bool:
 
 # -- schemas -----------------------------------------------------------------------------
 def arguments_schema(fn: FunctionDef) -> dict[str, Any]:
-    """The schema of one call's arguments: the function's parameters (any object if none)."""
-    return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+    """The schema of one call's arguments: the function's parameters (any object if none), an
+    object in any case: OpenAI's arguments are one, and clients send ``parameters: {}`` or a
+    schema without ``type`` (which alone would let 5, "x" or null through)."""
+    if fn.parameters is None:
+        return {"type": "object", "properties": {}}
+    return _an_object(fn.parameters)
+
+
+def _an_object(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``type: object`` if it has no ``type``, and so the branches of its
+    ``anyOf``: xgrammar follows those and ignores a ``type`` beside them."""
+    if "type" in schema:
+        return schema
+    out = {"type": "object", **schema}
+    if isinstance(schema.get("anyOf"), list):
+        out["anyOf"] = [_an_object(b) if isinstance(b, dict) else b for b in schema["anyOf"]]
+    return out
 
 
 def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[str, Any]:

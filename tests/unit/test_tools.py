@@ -83,6 +83,25 @@ def test_named_choice_without_parameters_is_any_object() -> None:
     assert plan.constraint is not None and plan.constraint.value["type"] == "object"
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # xgrammar's own imports
+@pytest.mark.parametrize("params", [{}, {"properties": {"a": {"type": "integer"}}}, {"anyOf": [{}, {}]}])
+def test_forced_arguments_are_an_object_even_when_the_schema_has_no_type(params: dict[str, Any]) -> None:
+    fn = {"type": "function", "function": {"name": "f", "parameters": params}}
+    named = plan_tools(request(tools=[fn], tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert named.constraint is not None
+    required = required_schema(fn)
+    for value in (5, "x", None, [1]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, named.constraint.value)
+        assert not grammar_accepts(named.constraint.value, value)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "f", "arguments": value}], required)
+        assert not grammar_accepts(required, [{"name": "f", "arguments": value}])
+    jsonschema.validate({"a": 1}, named.constraint.value)
+    assert grammar_accepts(named.constraint.value, {"a": 1})
+    jsonschema.validate([{"name": "f", "arguments": {"a": 1}}], required)
+
+
 @pytest.mark.parametrize("parallel", [None, True, False])
 def test_required_schema_accepts_calls_of_offered_tools_only(parallel: bool | None) -> None:
     plan = plan_tools(request(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=parallel))
@@ -214,6 +233,13 @@ def test_bad_tool_fields_are_400_with_param(kw: dict[str, Any], param: str) -> N
     with pytest.raises(InvalidRequest) as info:
         plan_tools(request(**kw))
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("kind", ["string", "array", ["object", "null"]])
+def test_parameters_of_another_type_than_object_are_400(kind: Any) -> None:
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+    with pytest.raises(InvalidRequest, match=r"tools\[1\]\.function\.parameters must describe an object"):
+        plan_tools(request(tools=[WEATHER, fn]))
 
 
 def test_tool_schemas_are_checked_once_and_bad_ones_every_time() -> None:
