@@ -35,7 +35,7 @@ from gateway.protocol import (
     invalid_request,
 )
 from gateway.settings import LimitSettings
-from gateway.structured import choose, request_constraint
+from gateway.structured import choose, describe, request_constraint
 from gateway.tokenizing import PromptTokenizer
 from gateway.tools import (
     NO_TOOLS,
@@ -199,9 +199,11 @@ class ChatService:
             request.add_special_tokens,
             size=_size(messages),
         )
-        shape = _constraint(request, route, constraint, "text")
         if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
-            shape = (plan.constraint, "tools")
+            _check_forced_calls(plan, request, route, constraint, "text")
+            shape: tuple[Constraint | None, str] = (plan.constraint, "tools")
+        else:
+            shape = _constraint(request, route, constraint, "text")
         limit, logprobs = request.token_limit, request.num_logprobs
         gen = self._start(
             request, lease, prompt_ids, limit, logprobs, "chatcmpl", shape, logprobs_param="top_logprobs"
@@ -439,10 +441,37 @@ def _constraint(
     """The output's shape and the field it came from: ``given`` (asked for outside the
     body, by ``/v1/responses``' ``given_param``), else the body's ``response_format`` or
     ``structured_outputs``; the route's default when none, its own if it enforces one."""
-    asked, param = request_constraint(request.model_extra or {})
-    if given is not None:
-        asked, param = given, given_param
+    asked, param = _asked(request, given, given_param)
     return choose(asked, param, route.response_format, route.enforce, route.name), param
+
+
+def _asked(
+    request: SamplingFields, given: Constraint | None, given_param: str
+) -> tuple[Constraint | None, str]:
+    asked, param = request_constraint(request.model_extra or {})
+    return (given, given_param) if given is not None else (asked, param)
+
+
+def _check_forced_calls(
+    plan: ToolPlan, request: SamplingFields, route: Route, given: Constraint | None, given_param: str
+) -> None:
+    """Forced calls are generated under the tools' grammar, which would replace a structured
+    output the request asks for, or the one its route enforces: a 400 (as vLLM's) rather
+    than a silent drop. A route's default that it does not enforce gives way."""
+    choice = "'required'" if plan.mode == "required" else f"naming the function '{plan.named}'"
+    asked, param = _asked(request, given, given_param)
+    if asked is not None:
+        raise InvalidRequest(
+            f"'{param}' cannot be combined with tool_choice {choice}: forced calls are generated "
+            f"under the tools' own grammar; leave '{param}' out or use tool_choice 'auto'",
+            param=param,
+        )
+    if route.enforce and route.response_format is not None:
+        raise InvalidRequest(
+            f"route '{route.name}' enforces its own response format ({describe(route.response_format)}), "
+            f"which tool_choice {choice} would replace; use tool_choice 'auto' or 'none'",
+            param="tool_choice",
+        )
 
 
 def _pick(*values: float | None) -> float:

@@ -10,6 +10,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
 from gateway.service import ChatService
 from gateway.settings import LimitSettings
+from gateway.types import Constraint
 from tests.unit.fakes import FakeEngine
 
 PRESET = Route(
@@ -196,3 +197,62 @@ async def test_greedy_with_several_choices_is_400_before_streaming() -> None:
         await service.chat(chat(n=2, temperature=0), catalog.acquire("concise"))
     assert info.value.param == "n"
     assert engine.calls == []
+
+
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+NAMED = {"type": "function", "function": {"name": "f"}}
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+def routes_with_formats() -> tuple[ChatService, Catalog, FakeEngine]:
+    enforced = Route(name="json", kind="preset", response_format=Constraint("json", SCHEMA), enforce=True)
+    soft = Route(name="soft", kind="preset", response_format=Constraint("json_object"))
+    table = RoutingTable(
+        base=Route(name="base-model", kind="base"), routes={"json": enforced, "soft": soft}, errors={}
+    )
+    engine = FakeEngine(max_model_len=1000)
+    return ChatService(engine, LimitSettings()), Catalog(lambda ids: table), engine
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+            "response_format",
+        ),
+    ],
+)
+async def test_structured_output_with_forced_tool_calls_is_400(
+    choice: object, fields: dict[str, object], param: str
+) -> None:
+    service, catalog, engine = routes_with_formats()
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(
+            chat(model="soft", tools=[F], tool_choice=choice, **fields), catalog.acquire("soft")
+        )
+    assert info.value.param == param and "tool_choice" in info.value.message
+    assert engine.calls == []
+
+
+async def test_forced_tool_calls_and_route_response_formats() -> None:
+    service, catalog, engine = routes_with_formats()
+    with pytest.raises(InvalidRequest) as info:  # the route's enforced schema would be bypassed
+        await service.chat(chat(model="json", tools=[F], tool_choice="required"), catalog.acquire("json"))
+    assert info.value.param == "tool_choice" and "enforces" in info.value.message
+    auto = await service.chat(chat(model="json", tools=[F]), catalog.acquire("json"))
+    assert auto.sampling.constraint == Constraint("json", SCHEMA)
+    auto.close()
+    for body in ({"tool_choice": NAMED}, {"tool_choice": "required", "response_format": {"type": "text"}}):
+        gen = await service.chat(chat(model="soft", tools=[F], **body), catalog.acquire("soft"))
+        assert gen.sampling.constraint is not None and gen.sampling.constraint.kind == "json"
+        assert gen.sampling.constraint != Constraint("json_object")  # the tools' grammar, not the default
+        gen.close()
+    with pytest.raises(InvalidRequest) as info:  # /v1/responses' text.format, given beside the body
+        await service.chat(
+            chat(tools=[F], tool_choice="required"), catalog.acquire(None), Constraint("json_object")
+        )
+    assert info.value.param == "text"
