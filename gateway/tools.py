@@ -368,7 +368,7 @@ def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
     if not text or text[0] not in "[{":
         return []
     try:
-        value = json.loads(text)
+        value = _STRICT.decode(text)
     except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
         return []
     items = value if isinstance(value, list) else [value]
@@ -377,15 +377,31 @@ def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
         if not isinstance(item, dict) or item.get("name") not in names:
             return []
         args = item.get("arguments", item.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
+        try:
+            if isinstance(args, str):  # some models write the arguments as a JSON string
+                args = _STRICT.decode(args)
+            if not isinstance(args, dict):
                 return []
-        if not isinstance(args, dict):
+            calls.append(ParsedCall(item["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)))
+        except (ValueError, RecursionError):
             return []
-        calls.append(ParsedCall(item["name"], json.dumps(args, ensure_ascii=False)))
     return calls
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+# JSON as RFC 8259 has it: json.loads reads NaN and Infinity, and 1e999 as infinity, which
+# json.dumps then writes as arguments that are not JSON.
+_STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
 def parse_required(text: str) -> list[ParsedCall]:

@@ -338,12 +338,30 @@ def test_a_tool_round_trip_is_accepted_and_names_the_function() -> None:
         ('{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": [1]}', []),
         ('{"name": "add", "arguments": {"a": 1}', '{"name": "add", "arguments": {"a": 1}', []),  # cut short
         ('Sure: {"name": "add", "arguments": {}}', 'Sure: {"name": "add", "arguments": {}}', []),
+        # not JSON (json.loads reads them; arguments must be JSON): no call
+        ('{"name": "add", "arguments": {"a": NaN}}', '{"name": "add", "arguments": {"a": NaN}}', []),
+        (
+            '{"name": "add", "arguments": {"a": -Infinity}}',
+            '{"name": "add", "arguments": {"a": -Infinity}}',
+            [],
+        ),
+        ('{"name": "add", "arguments": {"a": 1e999}}', '{"name": "add", "arguments": {"a": 1e999}}', []),
+        (
+            '{"name": "add", "arguments": "{\\"a\\": NaN}"}',
+            '{"name": "add", "arguments": "{\\"a\\": NaN}"}',
+            [],
+        ),
+        ('{"name": "add", "arguments": {"a": 1e300, "b": 10e-2}}', None, [("add", {"a": 1e300, "b": 0.1})]),
     ],
 )
 def test_json_parser(text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]) -> None:
     got_content, got = parse_calls(text, ("get_weather", "add"))
     assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert [(c.name, json.loads(c.arguments, parse_constant=reject)) for c in got] == calls
+
+
+def reject(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def test_answers_by_mode() -> None:
