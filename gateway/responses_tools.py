@@ -14,7 +14,8 @@ When the items are known follows chat's tool stream (``sse_tools``): under ``nam
 ``required`` with one function) the call is announced before the first token and its
 arguments stream as generated; under ``required`` each call opens once its name is
 complete (``RequiredCallScanner``); under ``auto`` an answer that cannot open a call
-streams as a message at once, one that can is read when it ends.
+streams as a message (less what may still turn out to be followed by calls:
+``tools.settled_content``), one that can is read when it ends.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from gateway.errors import GatewayError
 from gateway.responses_events import ResponseDraft, ResponseEventEncoder, function_call, item_id, text_part
 from gateway.sse_tools import RequiredCallScanner
-from gateway.tools import CALL_OPENERS, call_id, calls_of_answer
+from gateway.tools import CALL_OPENERS, call_id, calls_of_answer, settled_content
 from gateway.types import Chunk, StepOutput
 
 
@@ -53,8 +54,11 @@ class ResponseToolEncoder(ResponseEventEncoder):
         self.plan = draft.gen.tools
         self.parser = draft.gen.route.tool_parser
         self.items: list[_Item] = []
-        self.buffered: list[str] = []  # auto: an answer that may be a call, read at the end
-        self.streaming_text = False
+        self.answer = ""  # auto: the answer so far
+        self.streaming_text = False  # auto: it opened with text, streamed as it settles
+        self.sent = 0  # auto: how much of it went out as text deltas
+        self.checked = 0  # auto: tools.settled_content's mark
+        self.tail = ""  # auto: the rest of the text, read when the answer ended
         self.scanner = RequiredCallScanner()
         plan = self.plan
         # The first call's name when it is known before any token (as in sse_tools).
@@ -81,6 +85,9 @@ class ResponseToolEncoder(ResponseEventEncoder):
 
     def _add(self, item: _Item, piece: str) -> bytes:
         item.parts.append(piece)
+        return self._delta(item, piece)
+
+    def _delta(self, item: _Item, piece: str) -> bytes:
         index = self.items.index(item)
         if item.kind == "message":
             return self.event(
@@ -151,25 +158,35 @@ class ResponseToolEncoder(ResponseEventEncoder):
                 else:
                     out += self._add(self.items[-1], value)
             return out
-        if self.streaming_text:
-            return self._add(self.items[-1], c.text)
-        self.buffered.append(c.text)
-        text = "".join(self.buffered)
-        if text.strip() and not text.lstrip().startswith(CALL_OPENERS):
-            self.streaming_text, self.buffered = True, []
-            return self._open(self._message()) + self._add(self.items[-1], text)
-        return b""
+        self.answer += c.text
+        text, out = self.answer, b""
+        if not self.streaming_text:
+            if not text.strip() or text.lstrip().startswith(CALL_OPENERS):
+                return b""  # may be calls: read when it ends
+            self.streaming_text = True
+            out = self._open(self._message())
+        end = len(text)
+        if self.parser == "json":  # hold what may yet turn out to come before calls
+            end, self.checked = settled_content(text, self.plan.names, self.checked)
+        if end > self.sent:
+            out += self._add(self.items[-1], text[self.sent : end])
+            self.sent = end
+        return out
 
     def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         """The Response; what was held back (an ``auto`` answer that may be calls, a
         ``required`` one cut short before any call) becomes its items here."""
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        held = "".join(self.buffered) if self.plan.mode == "auto" and not self.streaming_text else None
+        held = self.answer if self.plan.mode == "auto" else None
         if self.plan.mode == "required" and not self.items:
             held = self.scanner.text
         if held is not None:
             content, calls = calls_of_answer(self.plan, held, self.parser)
-            if content:
+            if self.streaming_text:  # its message is open: the text held back goes out in end()
+                self.tail = (content or "")[self.sent :]
+                if self.tail:
+                    self.items[0].parts.append(self.tail)
+            elif content:
                 self.items.append(_Item("message", self.draft.message_id, parts=[content]))
             for call in calls:
                 item = self._call(call.name)
@@ -181,7 +198,8 @@ class ResponseToolEncoder(ResponseEventEncoder):
 
     def end(self, response: dict[str, Any]) -> bytes:
         status = response["status"]
-        out = self._close_open(status)
+        out = self._delta(self.items[0], self.tail) if self.tail else b""
+        out += self._close_open(status)
         for index, item in enumerate(self.items):
             if item.announced:
                 continue

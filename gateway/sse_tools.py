@@ -14,8 +14,11 @@ Streaming, per choice:
   call's name is known before the first token (the grammar allows no other), so its head
   goes out at once, as for ``named``. An answer cut short before any name is sent as
   content, unless its head went out: then the call stays, with the arguments so far.
-- ``auto``: an answer whose first non-blank character cannot open a call (``tools.CALL_OPENERS``)
-  streams as content at once; one that can is buffered and parsed when the choice ends.
+- ``auto``: an answer whose first non-blank character can open a call (``tools.CALL_OPENERS``)
+  is buffered and parsed when the choice ends. One that opens with text streams as content
+  as it comes, less what may still turn out to be followed by calls (``tools.settled_content``:
+  trailing blanks, and a line from where JSON that may be calls ending the answer starts),
+  which waits for more text or the end; the deltas add up to the whole response's content.
 
 A choice that ended with calls has ``finish_reason: "tool_calls"`` (``length`` stays ``length``).
 """
@@ -30,7 +33,14 @@ from typing import Any
 from gateway.protocol import usage_dict
 from gateway.service import Collected, Generation
 from gateway.sse import OpenAIChatEncoder, chat_logprobs
-from gateway.tools import CALL_OPENERS, ParsedCall, call_id, calls_of_answer, tool_call_dict
+from gateway.tools import (
+    CALL_OPENERS,
+    ParsedCall,
+    call_id,
+    calls_of_answer,
+    settled_content,
+    tool_call_dict,
+)
 from gateway.types import Chunk, StepOutput
 
 
@@ -130,8 +140,10 @@ class RequiredCallScanner:
 
 @dataclass(slots=True)
 class _ChoiceState:
-    buffered: list[str] = field(default_factory=list)
-    streaming_text: bool = False  # auto: known to be plain text, streamed as it comes
+    text: str = ""  # auto: the answer so far
+    streaming_text: bool = False  # auto: opened with text, streamed as it settles
+    sent: int = 0  # auto: how much of ``text`` went out as content
+    checked: int = 0  # auto: ``tools.settled_content``'s mark
     call_id: str = ""
     scanner: RequiredCallScanner = field(default_factory=RequiredCallScanner)
 
@@ -190,16 +202,21 @@ class ToolChatEncoder(OpenAIChatEncoder):
             return self._event(c.index, delta, logprobs, finish)
         if self._plan.mode == "required":
             return self._required_chunk(c, state, logprobs)
-        if state.streaming_text:
-            return self._event(c.index, {"content": c.text} if c.text else {}, logprobs, c.finish_reason)
-        state.buffered.append(c.text)
-        text = "".join(state.buffered)
+        state.text += c.text
+        text = state.text
         if self._plan.mode == "auto" and text.strip() and not text.lstrip().startswith(CALL_OPENERS):
             state.streaming_text = True
-            return self._event(c.index, {"content": text}, logprobs, c.finish_reason)
-        if c.finish_reason is None:
-            return self._event(c.index, {}, logprobs) if logprobs is not None else b""
-        return self._calls_events(c.index, text, logprobs, c.finish_reason)
+        if c.finish_reason is not None:
+            return self._calls_events(c.index, text, logprobs, c.finish_reason, state.sent)
+        piece = ""
+        if state.streaming_text:
+            end = len(text)
+            if self._parser == "json":  # hold what may yet turn out to come before calls
+                end, state.checked = settled_content(text, self._plan.names, state.checked)
+            piece, state.sent = text[state.sent : end], max(state.sent, end)
+        if piece or logprobs is not None:
+            return self._event(c.index, {"content": piece} if piece else {}, logprobs)
+        return b""
 
     def _required_chunk(self, c: Chunk, state: _ChoiceState, logprobs: Any) -> bytes:
         """Each call's name as soon as it is complete, then its arguments as they grow."""
@@ -226,11 +243,15 @@ class ToolChatEncoder(OpenAIChatEncoder):
             out.append(self._event(c.index, {}, logprobs))
         return b"".join(out)
 
-    def _calls_events(self, index: int, text: str, logprobs: Any, reason: str) -> bytes:
+    def _calls_events(self, index: int, text: str, logprobs: Any, reason: str, sent: int = 0) -> bytes:
+        """The end of a choice read whole (``sent``: the part of its content already out)."""
         content, calls = calls_of_answer(self._plan, text, self._parser)
+        rest = (content or "")[sent:]
+        if not calls:
+            return self._event(index, {"content": rest} if rest else {}, logprobs, reason)
         out = []
-        if content:
-            out.append(self._event(index, {"content": content}))
+        if rest:
+            out.append(self._event(index, {"content": rest}))
         for k, call in enumerate(calls):
             tool_call = {"index": k, **tool_call_dict(call, self._states[index].call_id if k == 0 else None)}
             out.append(self._event(index, {"tool_calls": [tool_call]}))

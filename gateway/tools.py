@@ -10,8 +10,11 @@ grammar that forced calls are generated under, and the parser that reads ``auto`
   objects (one ``anyOf`` branch per tool; one item at most with ``parallel_tool_calls: false``),
   as vLLM's ``get_json_schema_from_tools`` does.
 - ``parse_calls(text, names)`` is the ``json`` tool parser: a JSON object ``{"name": ...,
-  "arguments": {...}}`` (or a list of them), bare or in a fenced block (```tool_call or
-  ```json), is a call to an offered tool; any other text is plain content.
+  "arguments": {...}}`` (or a list of them) is a call to an offered tool: at the start of an
+  answer (bare or in a fenced block, ```tool_call or ```json; text after it is content), or
+  on lines of its own that end an answer after text (as the tool template writes a turn with
+  both); any other text is plain content. ``settled_content`` tells a stream how much of an
+  answer that opened with text is content already.
 
 No vllm here; the chat template that shows the tools to the model is
 ``configs/templates/gemma-tools.jinja``.
@@ -340,37 +343,116 @@ class ParsedCall:
 
 
 _FENCE = re.compile(r"\s*```(?:tool_call|tool_code|json)?[ \t]*\n?(.*?)```", re.DOTALL)
-CALL_OPENERS = ("{", "[", "`")  # an auto answer that starts otherwise is plain text
+CALL_OPENERS = ("{", "[", "`")  # an auto answer that starts otherwise opens with text
+_LINE = re.compile(r"\n\s*(\S)")  # a line's first character
+_NON_BLANK = re.compile(r"\S")
 
 
 def parse_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ParsedCall]]:
-    """The ``json`` parser: (content, calls) of an ``auto`` answer. An answer that starts with
-    a call is one: a JSON object ``{"name": <an offered tool>, "arguments": {...}}``
-    (``parameters`` is read too) or a list of them, bare or in fenced blocks (```tool_call,
-    ```json); text after the fences stays content. Anything else is plain content."""
-    calls = _calls_of(text.strip(), names)
+    """The ``json`` parser: (content, calls) of an ``auto`` answer. A call is a JSON object
+    ``{"name": <an offered tool>, "arguments": {...}}`` (``parameters`` is read too) or a
+    list of them.
+
+    - An answer that starts with calls is read as them: bare or in fenced blocks
+      (```tool_call, ```json), one after another; text after them is content.
+    - Text, then calls (bare JSON) on lines of their own that end the answer, as the tool
+      template writes an assistant turn with both: the text is content, then the calls.
+
+    Anything else is plain content, as it came."""
+    calls, end = _leading_calls(text, names)
     if calls:
-        return None, calls
-    found: list[ParsedCall] = []
-    pos = 0
-    while match := _FENCE.match(text, pos):
-        block = _calls_of(match.group(1).strip(), names)
-        if not block:
-            break
-        found.extend(block)
-        pos = match.end()
-    if found:
-        return text[pos:].strip() or None, found
+        return text[end:].strip() or None, calls
+    for line in _LINE.finditer(text):
+        start = line.start(1)
+        calls, end, tail = _json_calls(text, start, names)
+        if calls and tail == "end":
+            return text[:start].rstrip(), calls
     return text, []
 
 
+def settled_content(text: str, names: tuple[str, ...], checked: int = 0) -> tuple[int, int]:
+    """For an ``auto`` answer that opened with text (not ``CALL_OPENERS``), being streamed:
+    ``text[:end]`` is content whatever comes next, as ``parse_calls`` will read the whole:
+    all but trailing blanks, up to the first line that is, or may yet become, calls that end
+    the answer. Returns ``(end, checked)``: lines before ``checked`` can no longer be calls;
+    pass it back with the longer text."""
+    for line in _LINE.finditer(text, checked):
+        start = line.start(1)
+        if _json_calls(text, start, names)[2] != "other":
+            return _before_blanks(text, start), line.start()
+        checked = line.end()
+    return _before_blanks(text, len(text)), checked
+
+
+def _before_blanks(text: str, end: int) -> int:
+    """``len(text[:end].rstrip())``, without copying the text (a stream asks at every token)."""
+    while end and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
+def _leading_calls(text: str, names: tuple[str, ...]) -> tuple[list[ParsedCall], int]:
+    """The calls an answer opens with, bare or fenced, one after another; where they end."""
+    calls: list[ParsedCall] = []
+    pos = 0
+    while True:
+        fence = _FENCE.match(text, pos)
+        block = _calls_of(fence.group(1).strip(), names) if fence else []
+        if fence and block:
+            calls.extend(block)
+            pos = fence.end()
+            continue
+        found, end, _ = _json_calls(text, pos, names)
+        if not found:
+            return calls, pos
+        calls.extend(found)
+        pos = end
+
+
+def _json_calls(text: str, pos: int, names: tuple[str, ...]) -> tuple[list[ParsedCall], int, str]:
+    """The calls written as bare JSON values from ``pos`` on, one after another; where they
+    end; and what follows: ``end`` (only blanks), ``partial`` (a JSON value cut short, which
+    more text may make a call) or ``other``."""
+    calls: list[ParsedCall] = []
+    while True:
+        first = _NON_BLANK.search(text, pos)
+        if first is None:
+            return calls, pos, "end"
+        start = first.start()
+        if text[start] not in "[{":
+            return calls, pos, "other"
+        try:
+            value, end = _STRICT.raw_decode(text, start)
+        except json.JSONDecodeError as exc:
+            return calls, pos, "partial" if _cut_short(text, exc) else "other"
+        except (ValueError, RecursionError):  # NaN, 1e999; nested absurdly deep
+            return calls, pos, "other"
+        found = _calls_in(value, names)
+        if not found:
+            return calls, pos, "other"
+        calls.extend(found)
+        pos = end
+
+
+def _cut_short(text: str, exc: json.JSONDecodeError) -> bool:
+    """Whether JSON that failed to parse may only be cut short: the error is at its last
+    token (a literal, number or string still being written), or at its very end."""
+    return exc.msg.startswith("Unterminated string") or not any(c.isspace() for c in text[exc.pos :])
+
+
 def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
+    """The calls a text holds as one JSON value (a fenced block's)."""
     if not text or text[0] not in "[{":
         return []
     try:
         value = _STRICT.decode(text)
     except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
         return []
+    return _calls_in(value, names)
+
+
+def _calls_in(value: Any, names: tuple[str, ...]) -> list[ParsedCall]:
+    """A call object, or a list of them, as calls; [] if anything in it is not one."""
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:

@@ -89,6 +89,48 @@ def test_auto_stream_of_a_call_is_read_at_the_end() -> None:
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id == done.item.call_id
 
 
+def test_auto_stream_of_text_then_a_call_sends_the_text_then_the_call() -> None:
+    words = ["Let", " me", " check.", "\n", *CALL]
+    http, _ = app(words)
+    events, final = streamed(http, input="Weather?", tools=[WEATHER])
+    assert kinds(events) == [
+        *message_events(3)[:-1],  # the newline waits (a call may follow), then is dropped
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == ["Let", " me", " check."]
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output_text == "Let me check." and json.loads(final.output[1].arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "Sunny.  ",
+        'Let me check.\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+        'Text\n{"name": "get_time", "arguments": {}} and more',
+        '{"name": "get_time", "arguments": {}}\nThat is all.',
+        'Cut\n[{"name": "get_time", "arguments": {',
+    ],
+)
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_auto_stream_adds_up_to_the_whole_response(answer: str, size: int) -> None:
+    http, _ = app([answer[i : i + size] for i in range(0, len(answer), size)])
+    whole = sdk(http).responses.create(model="base-model", input="Hi", tools=[WEATHER, TIME])
+    events, final = streamed(http, input="Hi", tools=[WEATHER, TIME])
+
+    def items(output: list[Any]) -> list[tuple[str, str]]:
+        return [(o.type, o.content[0].text if o.type == "message" else o.name + o.arguments) for o in output]
+
+    assert items(final.output) == items(whole.output)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = [e.text for e in events if e.type == "response.output_text.done"]
+    assert deltas == whole.output_text and done == ([deltas] if deltas else [])
+
+
 def test_named_function_streams_its_arguments_as_generated() -> None:
     words = ['{"city": ', '"Paris"', "}"]
     http, engine = app(words)

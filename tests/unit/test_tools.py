@@ -338,6 +338,38 @@ def test_a_tool_round_trip_is_accepted_and_names_the_function() -> None:
         ('{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": [1]}', []),
         ('{"name": "add", "arguments": {"a": 1}', '{"name": "add", "arguments": {"a": 1}', []),  # cut short
         ('Sure: {"name": "add", "arguments": {}}', 'Sure: {"name": "add", "arguments": {}}', []),
+        # a call first, then text: the text is content
+        ('{"name": "add", "arguments": {"a": 1}}\nDone.', "Done.", [("add", {"a": 1})]),
+        (
+            '{"name": "add", "arguments": {}}\n{"name": "add", "arguments": {}}',
+            None,
+            [("add", {}), ("add", {})],
+        ),
+        # text, then calls on lines of their own that end the answer (as the template writes it)
+        ('Let me check.\n{"name": "add", "arguments": {"a": 1}}\n', "Let me check.", [("add", {"a": 1})]),
+        (
+            'Both:\n\n[{"name": "add", "arguments": {}},\n {"name": "get_weather", "arguments": {"city": "X"}}]',
+            "Both:",
+            [("add", {}), ("get_weather", {"city": "X"})],
+        ),
+        ('A\n{"x": 1}\n{"name": "add", "arguments": {}}', 'A\n{"x": 1}', [("add", {})]),
+        (
+            'Text\n{"name": "add", "arguments": {}} and more',
+            'Text\n{"name": "add", "arguments": {}} and more',
+            [],
+        ),
+        (
+            'Text\n{"name": "add", "arguments": {}}\nMore.',
+            'Text\n{"name": "add", "arguments": {}}\nMore.',
+            [],
+        ),
+        ('Text\n{"name": "nope", "arguments": {}}', 'Text\n{"name": "nope", "arguments": {}}', []),
+        ('Text\n{"name": "add", "arguments": {"a"', 'Text\n{"name": "add", "arguments": {"a"', []),
+        (
+            'See:\n```json\n{"name": "add", "arguments": {}}\n```',
+            'See:\n```json\n{"name": "add", "arguments": {}}\n```',
+            [],
+        ),
         # not JSON (json.loads reads them; arguments must be JSON): no call
         ('{"name": "add", "arguments": {"a": NaN}}', '{"name": "add", "arguments": {"a": NaN}}', []),
         (
@@ -431,6 +463,25 @@ def test_template_shows_tools_calls_and_results_and_the_parser_reads_its_call_fo
     assert parse_calls(model_turn, plan.names) == (None, [ParsedCall("get_weather", '{"city": "Paris"}')])
     assert "<start_of_turn>user\nResult of get_weather: 18 C, sunny<end_of_turn>" in text
     assert text.endswith("<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize("calls", [[CALL], [CALL, {**CALL, "id": "call_2"}]])
+def test_parser_reads_back_a_turn_with_text_and_calls_as_the_template_writes_it(
+    calls: list[dict[str, Any]],
+) -> None:
+    req = request(
+        messages=USER
+        + [{"role": "assistant", "content": "Let me check.", "tool_calls": calls}]
+        + [{"role": "tool", "tool_call_id": c["id"], "content": "18 C"} for c in calls],
+        tools=[WEATHER, ADD],
+    )
+    plan = plan_tools(req)
+    text = render(template_messages(req.messages), plan.template_tools())
+    model_turn = text.split("<start_of_turn>model\n")[1].split("<end_of_turn>")[0]
+    assert model_turn.startswith("Let me check.\n")
+    content, got = parse_calls(model_turn, plan.names)
+    assert content == "Let me check."
+    assert got == [ParsedCall("get_weather", '{"city": "Paris"}')] * len(calls)
 
 
 # -- the stream encoder and whole responses, with the fake engine -----------------------
@@ -570,6 +621,52 @@ async def test_auto_stream_call_is_buffered_and_parsed() -> None:
         assert msg["tool_calls"][0]["name"] == "add" and json.loads(msg["tool_calls"][0]["arguments"]) == {
             "a": 2
         }
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "It is sunny.  ",
+        'Let me check.\n{"name": "add", "arguments": {"a": 1}}',
+        'Let me check. \n\n[{"name": "add", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}]\n',
+        'Text\n{"name": "add", "arguments": {}} and more\n{"x": 1}\nend',
+        'A [link](x)\n[1] note\n{"name": "add", "arguments": {"a": 3}}',
+        'Code:\n```python\nprint({"a": 1})\n```\nDone.',
+        'Cut\n{"name": "add", "arguments": {"a": ',
+        '{"name": "add", "arguments": {"a": 1}}\nThat is all.',
+        '  {"name": "add", "arguments": {"a": NaN}}',
+        '```tool_call\n{"name": "add", "arguments": {}}\n```\nok',
+    ],
+)
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+async def test_auto_stream_adds_up_to_the_whole_response(answer: str, size: int) -> None:
+    from gateway.sse_tools import tool_chat_response
+
+    words = [answer[i : i + size] for i in range(0, len(answer), size)]
+    whole = make_gen(words)
+    message = tool_chat_response(whole, await whole.collect())["choices"][0]
+    msg = assemble(await stream_chunks(make_gen(words)))[0]
+    assert msg["content"] == message["message"]["content"]
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message["message"].get("tool_calls", [])
+    ]
+    assert [(c["name"], c["arguments"]) for c in msg["tool_calls"].values()] == calls
+    assert msg["finish_reason"] == message["finish_reason"]
+
+
+async def test_auto_stream_sends_text_before_a_call_as_it_comes() -> None:
+    words = ["Let", " me", " check.", "\n", '{"name": "add", ', '"arguments": {"a": 1}}']
+    chunks = await stream_chunks(make_gen(words))
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert contents[:4] == [None, "Let", " me", " check."]  # the newline waits: a call may follow
+    msg = assemble(chunks)[0]
+    assert msg["content"] == "Let me check." and msg["finish_reason"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in msg["tool_calls"].values()] == [
+        ("add", {"a": 1})
+    ]
+    chunks = await stream_chunks(make_gen(["Lines:", "\n", "[link]", "(x) and", " more"]))
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert contents == [None, "Lines:", "\n[link](x) and", " more"]  # not JSON after all: it flows
 
 
 async def test_auto_stream_json_that_is_no_call_ends_as_content() -> None:
