@@ -245,7 +245,10 @@ def _converse(client: Any, args: argparse.Namespace) -> int:
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                event = json.loads(line[6:])
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:
+                    event = {"error": {"message": f"unreadable event: {line[6:206]}"}}
                 if "error" in event:  # the stream failed after it started
                     print()
                     print(f"error: {_message(event, line[6:206])}", file=sys.stderr)
@@ -283,8 +286,11 @@ def _base_model(client: Any) -> str | None:
     response = client.get("/v1/models")
     if response.status_code != 200:
         return None
-    cards = response.json().get("data", [])
-    return next((c["id"] for c in cards if c.get("kind") == "base" and not c.get("alias_of")), None)
+    try:
+        cards = response.json()["data"]
+        return next((c["id"] for c in cards if c.get("kind") == "base" and not c.get("alias_of")), None)
+    except (ValueError, KeyError, TypeError, AttributeError):  # not the gateway's model list
+        return None
 
 
 def _ask() -> str | None:

@@ -215,6 +215,7 @@ class FakeGateway(http.server.ThreadingHTTPServer):
     """Answers every request with ``reply``: (status, content type, body)."""
 
     reply = (200, "application/json", b"{}")
+    models_reply = (200, "application/json", b'{"data": []}')  # GET /v1/models
 
     @property
     def url(self) -> str:
@@ -224,9 +225,14 @@ class FakeGateway(http.server.ThreadingHTTPServer):
 class _Reply(http.server.BaseHTTPRequestHandler):
     server: FakeGateway
 
+    def do_GET(self) -> None:
+        self._send(*self.server.models_reply)
+
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
-        status, ctype, body = self.server.reply
+        self._send(*self.server.reply)
+
+    def _send(self, status: int, ctype: str, body: bytes) -> None:
         self.send_response(status)
         self.send_header("content-type", ctype)
         self.send_header("content-length", str(len(body)))
@@ -285,3 +291,21 @@ def test_cli_chat_error_event_mid_stream_is_reported(
     assert main(chat(fake_gateway.url)) == 1
     out, err = capsys.readouterr()
     assert out == "[None] Hel\n" and err == "error: engine died\n"
+
+
+def test_cli_chat_reads_past_a_model_list_that_is_not_json(
+    fake_gateway: FakeGateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_gateway.models_reply = (200, "text/html", b"<html>a proxy page</html>")
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    fake_gateway.reply = (200, "text/event-stream", f"data: {json.dumps(chunk)}\n\n".encode())
+    assert main(["chat", "--url", fake_gateway.url, "hi"]) == 0  # no --model: the list is read
+    assert capsys.readouterr().out == "[None] Hi\n"
+
+
+def test_cli_chat_reports_an_unreadable_event(
+    fake_gateway: FakeGateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_gateway.reply = (200, "text/event-stream", b"data: {not json\n\n")
+    assert main(chat(fake_gateway.url)) == 1
+    assert capsys.readouterr().err == "error: unreadable event: {not json\n"
