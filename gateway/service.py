@@ -455,17 +455,12 @@ def _asked(
 def _check_forced_calls(
     plan: ToolPlan, request: SamplingFields, route: Route, given: Constraint | None, given_param: str
 ) -> None:
-    """Forced calls are generated under the tools' grammar, which would replace a structured
-    output the request asks for, or the one its route enforces: a 400 (as vLLM's) rather
-    than a silent drop. A route's default that it does not enforce gives way."""
+    """Forced calls are generated under the tools' grammar. The answer is then a call, not
+    text, so a structured output the request asks for (checked all the same) shapes nothing,
+    as with OpenAI, which takes both (instructor's RESPONSES_TOOLS sends both). A route that
+    enforces its format promises every answer follows it: a forced call there is a 400."""
     choice = "'required'" if plan.mode == "required" else f"naming the function '{plan.named}'"
-    asked, param = _asked(request, given, given_param)
-    if asked is not None:
-        raise InvalidRequest(
-            f"'{param}' cannot be combined with tool_choice {choice}: forced calls are generated "
-            f"under the tools' own grammar; leave '{param}' out or use tool_choice 'auto'",
-            param=param,
-        )
+    _asked(request, given, given_param)
     if route.enforce and route.response_format is not None:
         raise InvalidRequest(
             f"route '{route.name}' enforces its own response format ({describe(route.response_format)}), "
