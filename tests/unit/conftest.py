@@ -146,3 +146,21 @@ async def serve(make_settings: Callable[..., GatewaySettings]) -> AsyncIterator[
             return served
 
         yield start
+
+
+def http_scope(path: str, headers: dict[str, str], method: str = "POST") -> dict[str, Any]:
+    """An ASGI HTTP scope, for tests that drive the app's ``receive`` and ``send`` by hand."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("gateway.test", 80),
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.embedded import embedded_model_dir, is_prepared
-from tests.unit.conftest import USER_KEY, Serve
+from tests.unit.conftest import USER_KEY, Serve, http_scope
 from tests.unit.fakes import FakeEngine
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -32,24 +32,12 @@ async def asgi_post(served: Any, path: str, body: dict[str, Any], receive_after:
     """POST straight to the ASGI app; after the body, ``receive`` answers a disconnect, and
     every ``send`` of a type in ``receive_after`` waits, as a slow socket does."""
     raw = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "server": ("test", 80),
-        "client": ("client", 1),
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"authorization", f"Bearer {USER_KEY}".encode()),
-            (b"content-length", str(len(raw)).encode()),
-        ],
+    headers = {
+        "content-type": "application/json",
+        "authorization": f"Bearer {USER_KEY}",
+        "content-length": str(len(raw)),
     }
+    scope = http_scope(path, headers)
     sent = False
 
     async def receive() -> dict[str, Any]:

@@ -14,7 +14,17 @@ import httpx
 import pytest
 
 from tests.helpers import assert_openai_error, chat_body, eventually_async, still_serves_async
-from tests.unit.conftest import ADMIN, ADMIN_KEY, BASE, SHOUT_ONLY_KEY, SINGLE_KEY, USER_KEY, Serve, Served
+from tests.unit.conftest import (
+    ADMIN,
+    ADMIN_KEY,
+    BASE,
+    SHOUT_ONLY_KEY,
+    SINGLE_KEY,
+    USER_KEY,
+    Serve,
+    Served,
+    http_scope,
+)
 from tests.unit.fakes import FakeEngine
 
 NO_KEY = {"Authorization": ""}  # the client sends the user's key unless told otherwise
@@ -328,20 +338,7 @@ async def test_a_client_leaving_during_its_upload_is_499_not_an_error(
     served = await serve()
     body = json.dumps(chat_body("base")).encode()
     headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "client": ("127.0.0.1", 1),
-        "server": ("gateway.test", 80),
-        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
-    }
+    scope = http_scope("/v1/chat/completions", headers)
     messages = iter(
         [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
     )
