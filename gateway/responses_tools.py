@@ -25,8 +25,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.responses_events import ResponseDraft, ResponseEventEncoder, function_call, item_id, text_part
-from gateway.sse_tools import RequiredCallScanner
-from gateway.tools import CALL_OPENERS, call_id, calls_of_answer, settled_content
+from gateway.tools import CALL_OPENERS, RequiredCallScanner, call_id, calls_of_answer, settled_content
 from gateway.types import Chunk, StepOutput
 
 

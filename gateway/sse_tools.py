@@ -26,7 +26,6 @@ A choice that ended with calls has ``finish_reason: "tool_calls"`` (``length`` s
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ from gateway.sse import OpenAIChatEncoder, chat_logprobs
 from gateway.tools import (
     CALL_OPENERS,
     ParsedCall,
+    RequiredCallScanner,
     call_id,
     calls_of_answer,
     settled_content,
@@ -75,69 +75,6 @@ def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
 
 
 # The head of the next call in a ``required`` answer; the grammar writes "name" first.
-_CALL_HEAD = re.compile(
-    r'\s*(?:\}\s*)?[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
-)
-
-
-class RequiredCallScanner:
-    """Reads a ``required`` answer (``[{"name": ..., "arguments": {...}}, ...]``) as it grows:
-    ``feed`` returns ``("name", name)`` when a call's name is complete, then ``("arguments",
-    fragment)`` pieces of its arguments object as they are generated."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.calls = 0  # calls whose name went out
-        self._pos = 0  # where scanning resumes
-        self._in_args = False
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-
-    def feed(self, piece: str) -> list[tuple[str, str]]:
-        self.text += piece
-        out: list[tuple[str, str]] = []
-        while True:
-            if not self._in_args:
-                head = _CALL_HEAD.match(self.text, self._pos)
-                if head is None:
-                    return out
-                out.append(("name", json.loads(head.group(1))))
-                self.calls += 1
-                self._pos, self._in_args, self._depth = head.end(), True, 0
-            start = self._pos
-            done = self._scan()
-            if self._pos > start:
-                out.append(("arguments", self.text[start : self._pos]))
-            if not done:
-                return out
-            self._in_args = False
-
-    def _scan(self) -> bool:
-        """Advance over the arguments object; True when it has closed."""
-        text = self.text
-        for i in range(self._pos, len(text)):
-            ch = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._pos = i + 1
-                    return True
-        self._pos = len(text)
-        return False
-
-
 @dataclass(slots=True)
 class _ChoiceState:
     text: str = ""  # auto: the answer so far

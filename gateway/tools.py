@@ -486,19 +486,86 @@ def _finite(text: str) -> float:
 _STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
+_CALL_HEAD = re.compile(
+    r'\s*(?:\}\s*)?[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
+)
+
+
+class RequiredCallScanner:
+    """Reads a ``required`` answer (``[{"name": ..., "arguments": {...}}, ...]``) as it grows:
+    ``feed`` returns ``("name", name)`` when a call's name is complete, then ``("arguments",
+    fragment)`` pieces of its arguments object as they are generated."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls = 0  # calls whose name went out
+        self._pos = 0  # where scanning resumes
+        self._in_args = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        self.text += piece
+        out: list[tuple[str, str]] = []
+        while True:
+            if not self._in_args:
+                head = _CALL_HEAD.match(self.text, self._pos)
+                if head is None:
+                    return out
+                out.append(("name", json.loads(head.group(1))))
+                self.calls += 1
+                self._pos, self._in_args, self._depth = head.end(), True, 0
+            start = self._pos
+            done = self._scan()
+            if self._pos > start:
+                out.append(("arguments", self.text[start : self._pos]))
+            if not done:
+                return out
+            self._in_args = False
+
+    def _scan(self) -> bool:
+        """Advance over the arguments object; True when it has closed."""
+        text = self.text
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._pos = i + 1
+                    return True
+        self._pos = len(text)
+        return False
+
+
 def parse_required(text: str) -> list[ParsedCall]:
-    """The calls of a ``required`` answer (a list under the grammar); [] if it was cut short."""
+    """The calls of a ``required`` answer (a list under the grammar); [] if it was cut short.
+    Each call's arguments are the generated text, as the stream sends them: parsed and
+    written again, ``1e999`` would come back as ``Infinity``, which is not JSON."""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
         return []
     if not isinstance(value, list):
         return []
-    return [
-        ParsedCall(str(item["name"]), json.dumps(item.get("arguments", {}), ensure_ascii=False))
-        for item in value
-        if isinstance(item, dict) and "name" in item
-    ]
+    calls: list[list[str]] = []
+    for kind, piece in RequiredCallScanner().feed(text):
+        if kind == "name":
+            calls.append([piece, ""])
+        else:
+            calls[-1][1] += piece
+    return [ParsedCall(name, arguments) for name, arguments in calls]
 
 
 def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None, list[ParsedCall]]:

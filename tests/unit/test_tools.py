@@ -15,8 +15,10 @@ from gateway.structured import _cached_problem
 from gateway.tools import (
     TOOL_TEMPLATE_PATH,
     ParsedCall,
+    RequiredCallScanner,
     calls_of_answer,
     parse_calls,
+    parse_required,
     plan_tools,
     template_messages,
 )
@@ -587,9 +589,18 @@ async def test_required_with_one_function_sends_its_head_before_any_token() -> N
     assert msg["tool_calls"][0]["name"] == "add" and msg["tool_calls"][0]["arguments"] == ""
 
 
-def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
-    from gateway.sse_tools import RequiredCallScanner
+def test_required_arguments_are_the_generated_text_not_a_rewrite() -> None:
+    # 1e999 is a JSON number; parsed and written again it was Infinity, which is not JSON,
+    # and the whole response disagreed with the stream's fragments.
+    text = '[{"name": "add", "arguments": {"a": 1e999, "b": 1.50}}, {"name": "f", "arguments": {}}]'
+    assert parse_required(text) == [
+        ParsedCall("add", '{"a": 1e999, "b": 1.50}'),
+        ParsedCall("f", "{}"),
+    ]
+    assert parse_required(text[:-1]) == []  # cut short: no calls
 
+
+def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
     text = (
         '[{"name": "add", "arguments": {"a": "x}{\\"]", "b": [1, {"c": 2}]}}, {"name": "f", "arguments": {}}]'
     )
