@@ -231,6 +231,12 @@ class EngineManager:
         k = params.logprobs or 0
         try:
             async for out in stream:
+                if any(c.finish_reason == "error" for c in out.outputs):
+                    # vLLM's FINISHED_ERROR (the grammar refused a token, the engine core could
+                    # not compile the constraint, a KV transfer failed): not a finish_reason of
+                    # OpenAI's; vLLM's server answers a 500, or an error event when streaming.
+                    log.error("engine request %s finished with an error", request_id)
+                    raise EngineFailed("the engine failed to process the request")
                 prompt_lps = getattr(out, "prompt_logprobs", None)
                 yield StepOutput(
                     chunks=[_chunk(c, k) for c in out.outputs],

@@ -4,6 +4,7 @@ vLLM's types only)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
 from gateway.engine import EngineManager, _sampling_params, one_grammar_backend
-from gateway.errors import InvalidRequest
+from gateway.errors import EngineFailed, InvalidRequest
 from gateway.settings import EngineSettings
 from gateway.types import Constraint, SamplingSpec
 
@@ -126,6 +127,24 @@ def test_a_python_structured_outputs_config_is_named_too() -> None:
     assert given.backend == "auto"
     assert one_grammar_backend(given) is given and given.backend == "xgrammar"
     assert one_grammar_backend(StructuredOutputsConfig(backend="guidance")).backend == "guidance"
+
+
+async def test_an_engine_finish_reason_error_is_an_engine_failure() -> None:
+    # vLLM's FINISHED_ERROR (the grammar refused a token, a compile or KV load failure) is no
+    # OpenAI finish_reason: vLLM's server answers a 500, or an error event when streaming.
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        for reason in (None, "error"):
+            out = SimpleNamespace(index=0, text="a", token_ids=[7], finish_reason=reason, logprobs=None)
+            yield SimpleNamespace(
+                outputs=[out], prompt_token_ids=[1], finished=bool(reason), prompt_logprobs=None
+            )
+
+    engine = _manager_on(_vllm_engine(generate=generate))
+    texts = []
+    with pytest.raises(EngineFailed):
+        async for step in engine.generate([1], _sampling_params(SamplingSpec(max_tokens=4)), "r", None):
+            texts += [chunk.text for chunk in step.chunks]
+    assert texts == ["a"]
 
 
 def test_a_constrained_request_gets_the_checks_of_a_plain_one(manager: tuple[EngineManager, _Checks]) -> None:
