@@ -236,6 +236,21 @@ async def test_add_special_tokens_is_honoured(serve: Serve) -> None:
     assert added[1:] == plain
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+async def test_a_repetition_penalty_that_is_zero_in_float32_is_a_400(serve: Serve, path: str) -> None:
+    # Found by fuzzing: 5e-324 is above 0 but 0 in the engine's float32 sampler, which divided
+    # by it; under a grammar vLLM then ended the answer with finish_reason "error" (a 500 now).
+    served = await serve()
+    body = body_for(path, repetition_penalty=5e-324)
+    if path == "/v1/responses":
+        body = {"model": "base", "input": "Hi", "repetition_penalty": 5e-324}
+    r = await served.http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+    body["repetition_penalty"] = 1e-45  # the smallest float32 above 0
+    r = await served.http.post(path, json=body)
+    assert r.status_code == 200, r.text
+
+
 async def test_top_logprobs_over_the_limit_names_top_logprobs(serve: Serve) -> None:
     served = await serve()
     r = await served.http.post(
