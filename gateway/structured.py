@@ -222,6 +222,9 @@ def xgrammar_gap(schema: Any) -> str | None:
                     f"uses '{keyword}' (at {_at(where, keyword)}), which the grammar backend (xgrammar) "
                     "does not enforce: answers could break the schema"
                 )
+        problem = _siblings_gap(node, where, schema)
+        if problem is not None:
+            return problem
         branches = node.get("oneOf")
         if isinstance(branches, list) and not _disjoint(branches, node, schema):
             return (
@@ -235,6 +238,165 @@ def xgrammar_gap(schema: Any) -> str | None:
             children.append((target, ref.removeprefix("#").removeprefix("/")))
         stack.extend(reversed(children))
     return None
+
+
+# JSON Schema's assertions: what an instance must meet. Other keywords (title, description,
+# default, examples, discriminator, unknown ones) assert nothing, so ignoring them is harmless.
+_COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf")
+_ASSERTIONS = frozenset(
+    {
+        *_COMBINATORS,
+        "type", "enum", "const",
+        "properties", "patternProperties", "additionalProperties", "required", "propertyNames",
+        "minProperties", "maxProperties", "unevaluatedProperties",
+        "items", "prefixItems", "additionalItems", "contains", "minContains", "maxContains",
+        "minItems", "maxItems", "uniqueItems", "unevaluatedItems",
+        "minLength", "maxLength", "pattern", "format",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    }
+)  # fmt: skip
+# Keywords that xgrammar reads only under a "type" of theirs (with none, any value passes).
+_TYPED_ONLY = {
+    "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
+    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+    "exclusiveMaximum": "number", "multipleOf": "number",
+}  # fmt: skip
+_OBJECT_WORDS = frozenset(
+    {"properties", "patternProperties", "additionalProperties", "required", "propertyNames",
+     "minProperties", "maxProperties"}
+)  # fmt: skip
+_ARRAY_WORDS = frozenset({"items", "prefixItems", "minItems", "maxItems", "contains", "uniqueItems"})
+_XGRAMMAR = "the grammar backend (xgrammar)"
+
+
+def _siblings_gap(node: dict[str, Any], where: str, root: Any) -> str | None:
+    """What xgrammar leaves out of one schema object: it decodes a ``$ref``, ``allOf``,
+    ``anyOf`` or ``oneOf`` alone, without the assertions beside it (a ``type`` beside it is
+    harmless when every branch keeps within it); of an ``allOf`` of several schemas it
+    enforces none; string and number bounds without a ``type`` it ignores; and it offers
+    every ``enum`` / ``const`` value, also one that the keywords beside it refuse."""
+    combinators = [k for k in _COMBINATORS if k in node]
+    if len(combinators) > 1:
+        first, second = combinators[:2]
+        return (
+            f"has '{second}' beside '{first}' (at {where or 'the top'}), and {_XGRAMMAR} enforces only "
+            f"one of them: wrap them in an 'allOf' of one schema each, or keep one"
+        )
+    if combinators:
+        kind = combinators[0]
+        branches = node[kind] if kind != "$ref" else [node]
+        if kind == "allOf" and isinstance(branches, list) and len(branches) > 1:
+            return (
+                f"has an 'allOf' of {len(branches)} schemas (at {_at(where, 'allOf')}), which {_XGRAMMAR} "
+                "does not enforce: merge them into one schema"
+            )
+        for keyword in node:
+            if keyword == kind or keyword not in _ASSERTIONS:
+                continue
+            if keyword == "type" and _within_type(node, kind, root):
+                continue
+            return (
+                f"has '{keyword}' beside '{kind}' (at {where or 'the top'}), which {_XGRAMMAR} does not "
+                f"enforce there: move it into the schema{'s' if kind != '$ref' else ''} of '{kind}'"
+            )
+        return None
+    if "type" not in node and "enum" not in node and "const" not in node:
+        for keyword, kind in _TYPED_ONLY.items():
+            if keyword in node:
+                return (
+                    f"has '{keyword}' without a 'type' (at {where or 'the top'}), which {_XGRAMMAR} then "
+                    f'does not enforce: add "type": "{kind}"'
+                )
+    return _refused_value(node, where)
+
+
+def _within_type(node: dict[str, Any], kind: str, root: Any) -> bool:
+    """Whether every schema of ``node``'s combinator keeps within ``node``'s own ``type``."""
+    allowed = _type_names(node.get("type"))
+    if allowed is None:
+        return False
+    if kind == "$ref":
+        ref = node["$ref"]
+        targets = [_local_ref(root, ref) if isinstance(ref, str) else None]
+    else:
+        targets = node[kind] if isinstance(node[kind], list) else [None]
+    for target in targets:
+        types = _grammar_types(_resolved(target, root), root)
+        if types is None or not all(t in allowed or (t == "integer" and "number" in allowed) for t in types):
+            return False
+    return True
+
+
+def _type_names(kind: Any) -> frozenset[str] | None:
+    kinds = [kind] if isinstance(kind, str) else kind
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        return None
+    return frozenset(kinds)
+
+
+def _grammar_types(schema: dict[str, Any] | None, root: Any, depth: int = 0) -> frozenset[str] | None:
+    """The JSON types xgrammar lets ``schema`` produce; None when it may be any."""
+    if schema is None or depth > _REF_HOPS:
+        return None
+    if "type" in schema:
+        return _type_names(schema["type"])
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        return frozenset(_json_type(v) for v in values)
+    if any(k in schema for k in _OBJECT_WORDS):
+        return frozenset({"object"})
+    if any(k in schema for k in _ARRAY_WORDS):
+        return frozenset({"array"})
+    branches = schema.get("anyOf", schema.get("oneOf"))
+    if isinstance(branches, list) and branches:
+        found: set[str] = set()
+        for branch in branches:
+            types = _grammar_types(_resolved(branch, root), root, depth + 1)
+            if types is None:
+                return None
+            found |= types
+        return frozenset(found)
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "number"
+    if isinstance(value, list):
+        return "array"
+    return "object" if isinstance(value, dict) else "string"
+
+
+def _refused_value(node: dict[str, Any], where: str) -> str | None:
+    """An ``enum`` / ``const`` value that the assertions beside it refuse (xgrammar offers it)."""
+    keyword = "const" if "const" in node else "enum" if isinstance(node.get("enum"), list) else None
+    if keyword is None:
+        return None
+    others = {k: v for k, v in node.items() if k in _ASSERTIONS and k not in ("enum", "const")}
+    if not others or "$ref" in json.dumps(others):  # a $ref needs the whole schema: not checked
+        return None
+    try:
+        validator = jsonschema.Draft202012Validator(others)
+        values = [node["const"]] if keyword == "const" else node["enum"]
+        refused = next((v for v in values if not validator.is_valid(v)), _NONE)
+    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, re.error, RecursionError):
+        return None
+    if refused is _NONE:
+        return None
+    shown = json.dumps(refused)[:80]
+    return (
+        f"has an '{keyword}' value that the keywords beside it refuse ({shown}, at {_at(where, keyword)}), "
+        f"which {_XGRAMMAR} would still offer: drop the value or the keyword"
+    )
+
+
+_NONE = object()
 
 
 def _at(where: str, keyword: str) -> str:

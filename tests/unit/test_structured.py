@@ -231,6 +231,101 @@ def test_keywords_xgrammar_ignores_are_named_with_where(schema: dict[str, Any], 
     assert gap is not None and where in gap and "does not enforce" in gap
 
 
+_A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+_B = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+_DEFS = {"A": _A, "N": {"type": "integer"}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "witness", "named"),
+    [
+        # of several allOf schemas xgrammar enforces none
+        ({"allOf": [_A, _B]}, '{"b": 1}', "an 'allOf' of 2 schemas (at allOf)"),
+        # beside a $ref, anyOf, oneOf or allOf, the other assertions are left out
+        (
+            {"$defs": _DEFS, "type": "object", "properties": {"x": {"$ref": "#/$defs/N", "minimum": 5}}},
+            '{"x": 1}',
+            "'minimum' beside '$ref' (at properties/x)",
+        ),
+        ({**_A, "anyOf": [_B]}, '{"b": 1}', "'properties' beside 'anyOf' (at the top)"),
+        ({**_A, "allOf": [_B]}, '{"b": 1}', "'properties' beside 'allOf'"),
+        (
+            {"type": "object", "required": ["a"], "oneOf": [_B, {"type": "object", "required": ["c"]}]},
+            '{"b": 1}',
+            "'required' beside 'oneOf'",
+        ),
+        # a type beside anyOf is left out too: branches without one of their own take anything
+        ({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]}, "1", "'type' beside 'anyOf'"),
+        ({"type": "integer", "anyOf": [{"type": "string"}, {"type": "integer"}]}, '"a"', "'type' beside"),
+        ({"$defs": _DEFS, "$ref": "#/$defs/N", "anyOf": [{"type": "string"}]}, "1", "'anyOf' beside '$ref'"),
+        # string and number bounds without a type
+        ({"maxLength": 2}, '"abc"', "'maxLength' without a 'type' (at the top)"),
+        ({"type": "array", "items": {"minimum": 5}}, "[1]", "'minimum' without a 'type' (at items)"),
+        ({"pattern": "^a$"}, '"b"', "'pattern' without a 'type'"),
+        # every enum value is offered, also one the keywords beside it refuse
+        ({"type": "string", "enum": ["a", 1]}, "1", "'enum' value that the keywords beside it refuse (1"),
+        ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, '"bb"', '("bb", at enum)'),
+    ],
+)
+def test_what_xgrammar_leaves_out_is_named(schema: dict[str, Any], witness: str, named: str) -> None:
+    # The witness proves the gap: xgrammar's grammar takes it, and the schema refuses it.
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, witness)
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(witness))
+    gap = xgrammar_gap(schema)
+    assert gap is not None and named in gap, gap
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [_A], "description": "one schema: enforced"},
+        {"$defs": _DEFS, "$ref": "#/$defs/A", "title": "T", "default": {"a": 1}, "examples": [{"a": 2}]},
+        {"$defs": _DEFS, "type": "object", "$ref": "#/$defs/A"},  # the $ref keeps within the type
+        {"type": ["object", "null"], "anyOf": [_A, {"type": "null"}]},
+        {"type": "number", "anyOf": [{"type": "integer"}, {"type": "number", "minimum": 0.5}]},
+        {"type": "object", "anyOf": [{"required": ["a"]}, {"properties": {"b": {"const": 1}}}]},
+        {"type": "string", "enum": ["a", "bb"], "title": "E"},  # as pydantic writes an Enum
+        {"const": "cat", "type": "string"},
+        {"properties": {"a": {"type": "integer"}}},  # no type: xgrammar takes it as an object
+        {"type": ["string", "integer"], "maxLength": 2, "minimum": 5},
+        {"anyOf": [{"type": "string"}, {"type": "null"}], "nullable": True},  # unknown: asserts nothing
+    ],
+)
+def test_what_xgrammar_enforces_beside_a_combinator_passes(schema: dict[str, Any]) -> None:
+    assert xgrammar_gap(schema) is None
+
+
+def test_more_pydantic_shapes_pass() -> None:
+    import datetime
+    from typing import Annotated, Literal
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, Field, conint, constr
+
+    class Inner(BaseModel):
+        v: Annotated[int, Field(ge=0, le=9)]
+
+    class Outer(BaseModel):
+        inner: Inner = Field(description="described model field")
+        default_inner: Inner = Inner(v=1)
+        maybe: Annotated[str, Field(min_length=1)] | None = None
+        nums: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, max_length=3)
+        table: dict[str, Inner]
+        when: datetime.date
+        code: constr(pattern=r"^[A-Z]{3}$")  # type: ignore[valid-type]
+        small: conint(multiple_of=2) | None = None  # type: ignore[valid-type]
+        kind: Literal["a", "b"] = "a"
+        pair: tuple[int, str]
+
+    for schema in (Outer.model_json_schema(), to_strict_json_schema(Outer)):
+        assert xgrammar_gap(schema) is None, (xgrammar_gap(schema), schema)
+
+
 @pytest.mark.parametrize(
     "branches",
     [
