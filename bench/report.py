@@ -252,8 +252,12 @@ def markdown(result: dict[str, Any]) -> str:
         + _cpu_cache(m["engine"])
         + f", {len(m['engine']['adapters'])} random rank-{m['adapter_rank']} adapters",
         f"- shape: {shape_line(m.get('shape', 'plain'))}",
-        f"- load: streaming /v1/chat/completions, {m['prompt_tokens']} prompt tokens (chat template included), "
-        f"{m['output_tokens']} output tokens"
+        (
+            f"- load: streaming /v1/completions, {m['prompt_tokens']} random prompt tokens, "
+            if m.get("client", "").startswith("vllm bench serve")
+            else f"- load: streaming /v1/chat/completions, {m['prompt_tokens']} prompt tokens (chat template included), "
+        )
+        + f"{m['output_tokens']} output tokens"
         f"{' (ignore_eos)' if m.get('shape', 'plain') == 'plain' else ' at most (max_tokens, no ignore_eos)'}, "
         "closed loop at each concurrency; "
         f"requests per point {', '.join(f'c={k}: {v}' for k, v in m['requests'].items())}; {MIX_LINE}",
@@ -271,7 +275,7 @@ def markdown(result: dict[str, Any]) -> str:
                     lines.append(
                         f"| {name} | {mix} | {c} | {p['req_per_s']:.2f} | {p['out_tok_per_s']:.1f} | "
                         f"{_f(p['ttft_ms_p50'])}/{_f(p['ttft_ms_p99'])} | {_f(p['itl_ms_p50'], '{:.2f}')}/{_f(p['itl_ms_p99'], '{:.2f}')} | "
-                        f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {p['tokens_per_chunk']:.2f} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
+                        f"{_f(p['tpot_ms_p50'], '{:.2f}')} | {_f(p.get('tokens_per_chunk'), '{:.2f}')} | {_f(p.get('rss_tree_mb_max'), '{:.0f}')} | "
                         f"{_f(front_cpu_us_per_token(p), '{:.0f}')} | {p['failed']:.0f} | {_invalid(p)} |"
                     )
     if any(":" in mix for mix in m["mixes"]):

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import vllm_client
 from bench.client import Job, PromptMaker, drive, run_loop, seed_for, summarize
 from bench.lora import ADAPTERS, MANY, adapter_fields, cold_probe, mix_adapters, mix_models, split_mix
 from bench.machine import EMBEDDED, PROFILES, child_env, client_cpus, gpu_name, host_info, versions
@@ -112,7 +113,13 @@ class Bench:
                 "together": bool(args.together),
                 "gateway_set": list(args.gateway_set),
                 "adapter_rank": self.p["adapter_rank"],
-                "client": "bench/client.py (aiohttp, own SSE parsing; metrics as vllm bench serve, TTFT to first text event)"
+                "client": (
+                    "vllm bench serve (vllm.benchmarks.serve in run.py's process; /v1/completions, "
+                    "random dataset, ignore_eos; bench/vllm_client.py)"
+                    if args.client == "vllm"
+                    else "bench/client.py (aiohttp, own SSE parsing; metrics as vllm bench serve, "
+                    "TTFT to first text event)"
+                )
                 + (f", pinned to cores {self.args.client_cpus}" if self.args.client_cpus else ""),
             },
             "servers": {},
@@ -135,6 +142,9 @@ class Bench:
             default = self.p["structured_concurrencies" if shape in STRUCTURED else "concurrencies"]
             given = cs.replace("/", ",") or concurrencies
             plan[mix] = [int(c) for c in given.split(",")] if given else list(default)
+            why = vllm_client.supported(mix, shape) if self.args.client == "vllm" else None
+            if why is not None:
+                sys.exit(f"--client vllm cannot run --mixes {item!r}: {why}")
         return plan
 
     def shape_of(self, mix: str) -> str:
@@ -326,12 +336,21 @@ class Bench:
         max_tokens = self.max_tokens(mix)
         hist0 = engine_histograms(server.base_url, self.api_key)
         assert server.proc is not None
+        res: list[Any] = []
         with ProcessSampler(server.proc.pid) as rss, client_cpus(self.args.client_cpus):
-            res, duration = run_loop(
-                drive(server.base_url, jobs, c, max_tokens, self.api_key, self.shape_of(mix))
-            )
+            if self.args.client == "vllm":
+                argv = vllm_client.bench_argv(
+                    server.base_url, mix, self.spec.model, self.p["served_name"], n, c,
+                    self.p["prompt_tokens"], max_tokens, seed,
+                )  # fmt: skip
+                summary, report = vllm_client.run_point(argv, self.api_key, n, max_tokens)
+                (self.out / "logs" / f"vllm-client-{target}-{mix}-c{c}-{n_pass}.txt").write_text(report)
+            else:
+                res, duration = run_loop(
+                    drive(server.base_url, jobs, c, max_tokens, self.api_key, self.shape_of(mix))
+                )
+                summary = summarize(res, duration, max_tokens)
         engine = engine_means_ms(hist0, engine_histograms(server.base_url, self.api_key))
-        summary = summarize(res, duration, max_tokens)
         point = {
             "target": target,
             "pass": n_pass,
@@ -342,7 +361,7 @@ class Bench:
             **summary,
             **rss.stats(),
             **engine,
-            **adapter_fields(res, mix, summary["ttft_ms_mean"]),
+            **(adapter_fields(res, mix, summary["ttft_ms_mean"]) if res else {}),
         }
         self.result["points"].append(point)
         self.save()
@@ -590,6 +609,13 @@ def main() -> int:
         help="cold-adapter TTFT probe on each fresh server (default: on when a lora16 mix runs)",
     )
     ap.add_argument("--cold-tokens", type=int, default=8, help="max_tokens of the probe's requests")
+    ap.add_argument(
+        "--client",
+        choices=("own", "vllm"),
+        default="own",
+        help="who sends each point's requests: bench/client.py (chat, every shape and mix, per-adapter "
+        "statistics) or vLLM's `vllm bench serve` (completions, plain, base/lora4/lora16; bench/vllm_client.py)",
+    )
     args = ap.parse_args()
     if args.cold is None:
         args.cold = any(m.partition(":")[0].partition("@")[0] in MANY for m in args.mixes.split(","))
