@@ -494,7 +494,9 @@ _CALL_HEAD = re.compile(
 class RequiredCallScanner:
     """Reads a ``required`` answer (``[{"name": ..., "arguments": {...}}, ...]``) as it grows:
     ``feed`` returns ``("name", name)`` when a call's name is complete, then ``("arguments",
-    fragment)`` pieces of its arguments object as they are generated."""
+    fragment)`` pieces of its arguments object as they are generated, from its opening brace
+    (blanks before it are not the arguments'), so that the fragments of a stream add up to
+    what the whole text gives."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -516,6 +518,8 @@ class RequiredCallScanner:
                 out.append(("name", json.loads(head.group(1))))
                 self.calls += 1
                 self._pos, self._in_args, self._depth = head.end(), True, 0
+            while self._depth == 0 and self._pos < len(self.text) and self.text[self._pos].isspace():
+                self._pos += 1  # blanks between the colon and the arguments
             start = self._pos
             done = self._scan()
             if self._pos > start:
@@ -550,15 +554,10 @@ class RequiredCallScanner:
 
 
 def parse_required(text: str) -> list[ParsedCall]:
-    """The calls of a ``required`` answer (a list under the grammar); [] if it was cut short.
-    Each call's arguments are the generated text, as the stream sends them: parsed and
-    written again, ``1e999`` would come back as ``Infinity``, which is not JSON."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
-        return []
-    if not isinstance(value, list):
-        return []
+    """The calls of a ``required`` answer (a list under the grammar), as the stream sends
+    them: each call whose name is complete, with its arguments as generated (cut short by
+    ``max_tokens``, the last one's as far as they got, as OpenAI does). Not parsed and
+    written again: ``1e999`` would come back as ``Infinity``, which is not JSON."""
     calls: list[list[str]] = []
     for kind, piece in RequiredCallScanner().feed(text):
         if kind == "name":
@@ -574,6 +573,8 @@ def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None,
         return None, [ParsedCall(plan.named, text)]
     if plan.mode == "required":
         calls = parse_required(text)
+        if not calls and len(plan.tools) == 1:  # its name is known before any token: the
+            calls = [ParsedCall(plan.tools[0].name, "")]  # stream announced it (sse_tools)
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto" and parser == "json":
         content, calls = parse_calls(text, plan.names)

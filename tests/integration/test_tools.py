@@ -182,6 +182,30 @@ def assert_valid_auto_answer(message: Any, finish_reason: str | None) -> None:
         assert finish_reason in ("stop", "length")
 
 
+def test_required_calls_cut_short_are_calls_streamed_or_not(client: openai.OpenAI) -> None:
+    """max_tokens ends the grammar's list (the base model writes call after call): the stream
+    sends the calls so far, and so does the whole response (it was the raw JSON as content,
+    which openai-agents' Runner took for the final answer, its tool never run)."""
+    kw: dict[str, Any] = dict(
+        model="base",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.current_completion_snapshot.choices[0]
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert streamed.finish_reason == whole.finish_reason == "length"
+    assert whole.message.content is None and whole.message.tool_calls, whole.message
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []
+    ]
+
+
 def test_auto_answer_is_text_or_valid_calls(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model="base", messages=ASK, tools=[WEATHER, TIME], max_tokens=40, temperature=0)
     whole = client.chat.completions.create(**kw)

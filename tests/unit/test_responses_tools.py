@@ -247,3 +247,23 @@ def test_engine_failure_mid_call_is_response_failed_with_the_call_so_far() -> No
     assert failed.type == "response.failed" and failed.response.status == "failed"
     item = failed.response.output[0]
     assert item.type == "function_call" and item.status == "incomplete" and item.arguments == '{"city": '
+
+
+def test_required_cut_short_whole_agrees_with_the_stream() -> None:
+    # max_output_tokens ends the list inside the second call: streamed, two function_call
+    # items; not streamed it was one message holding the raw JSON list.
+    words = [
+        '[{"name": "get_weather", "arguments": {"city": "X"}}, ',
+        '{"name": "get_time", "arguments": {"ci',
+    ]
+    http, _ = app(words)
+    fields: Any = dict(input="w", tools=[WEATHER, TIME], tool_choice="required", max_output_tokens=2)
+    with sdk(http).responses.stream(model="base-model", **fields) as stream:
+        incomplete = [e.response for e in stream if e.type == "response.incomplete"]
+    whole = sdk(http).responses.create(model="base-model", **fields)
+    assert whole.status == incomplete[0].status == "incomplete"
+    assert [(i.type, i.name, i.arguments) for i in whole.output] == [  # type: ignore[union-attr]
+        (i.type, i.name, i.arguments)
+        for i in incomplete[0].output  # type: ignore[union-attr]
+    ]
+    assert [i.name for i in whole.output] == ["get_weather", "get_time"]  # type: ignore[union-attr]

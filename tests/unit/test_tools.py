@@ -597,7 +597,39 @@ def test_required_arguments_are_the_generated_text_not_a_rewrite() -> None:
         ParsedCall("add", '{"a": 1e999, "b": 1.50}'),
         ParsedCall("f", "{}"),
     ]
-    assert parse_required(text[:-1]) == []  # cut short: no calls
+    # cut short by max_tokens: the calls so far, the last one's arguments as far as they got
+    assert parse_required(text[: text.index('"b"')]) == [ParsedCall("add", '{"a": 1e999, ')]
+    assert parse_required(text[: text.index("add")]) == []  # no name yet
+
+
+@pytest.mark.parametrize(
+    ("words", "tools"),
+    [
+        # a complete call, then a second one cut short by max_tokens
+        (['[{"name": "add", "arguments": {"a": 1}}, ', '{"name": "add", "arguments": {"a'], None),
+        # the only call, its name out, its arguments cut short
+        (['[{"name": "add", ', '"arguments": {"a'], None),
+        # blanks between the colon and the arguments come in a piece of their own
+        (['[{"name": "add", "arguments":', " ", ' {"a": 1}}]'], None),
+        # one function offered: announced before any token, cut short before its name
+        (['[{"na'], "one"),
+    ],
+)
+async def test_a_required_answer_whole_agrees_with_its_stream(words: list[str], tools: str | None) -> None:
+    """Cut short by max_tokens (or not), the whole response carries the calls the stream sent
+    (it was the grammar's raw JSON list as content, with no tool_calls), with the same text."""
+    from gateway.sse_tools import tool_chat_response
+
+    extra: dict[str, Any] = {"tools": [ADD]} if tools == "one" else {}
+    finish = "stop" if words[-1].endswith("]") else "length"
+    limit = len(words) + (finish == "stop")  # the fake engine ends with length at max_tokens
+    msg = assemble(await stream_chunks(make_gen(words, tool_choice="required", max_tokens=limit, **extra)))[0]
+    whole = make_gen(words, tool_choice="required", max_tokens=limit, **extra)
+    choice = tool_chat_response(whole, await whole.collect())["choices"][0]
+    assert choice["finish_reason"] == msg["finish_reason"] == ("tool_calls" if finish == "stop" else finish)
+    assert choice["message"]["content"] is None and msg["content"] is None
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert calls and calls == [(c["name"], c["arguments"]) for c in msg["tool_calls"].values()]
 
 
 def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
