@@ -40,6 +40,7 @@ from gateway.tokenizing import PromptTokenizer
 from gateway.tools import (
     NO_TOOLS,
     ToolPlan,
+    answer_or_calls_schema,
     check_tool_messages,
     plan_tools,
     template_messages,
@@ -204,6 +205,7 @@ class ChatService:
             shape: tuple[Constraint | None, str] = (plan.constraint, "tools")
         else:
             shape = _constraint(request, route, constraint, "text")
+            shape = (_or_calls(plan, route, *shape), shape[1])
         limit, logprobs = request.token_limit, request.num_logprobs
         gen = self._start(
             request, lease, prompt_ids, limit, logprobs, "chatcmpl", shape, logprobs_param="top_logprobs"
@@ -450,6 +452,24 @@ def _asked(
 ) -> tuple[Constraint | None, str]:
     asked, param = request_constraint(request.model_extra or {})
     return (given, given_param) if given is not None else (asked, param)
+
+
+def _or_calls(plan: ToolPlan, route: Route, shape: Constraint | None, param: str) -> Constraint | None:
+    """Under ``tool_choice: auto`` the model may call a tool or answer; a structured output
+    shapes the answer, so the grammar takes either (as OpenAI; openai-agents sends an
+    agent's ``output_type`` and its tools together). A route that enforces its format, or
+    reads no calls (``tool_parser: none``), keeps the format alone."""
+    if plan.mode != "auto" or not plan.tools or shape is None or route.tool_parser != "json":
+        return shape
+    if (route.enforce and route.response_format is not None) or shape.kind == "json_object":
+        return shape  # enforced; or any JSON object, which a call is
+    if shape.kind != "json":
+        raise InvalidRequest(
+            f"a {shape.kind} structured output leaves no room for a tool call under tool_choice 'auto': "
+            "use a JSON schema, or tool_choice 'none'",
+            param=param or "structured_outputs",
+        )
+    return Constraint("json", answer_or_calls_schema(plan.tools, plan.parallel, shape.value))
 
 
 def _check_forced_calls(

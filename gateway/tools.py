@@ -285,6 +285,23 @@ def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[
     return schema
 
 
+# The answer's own schema among the calls' $defs: a tool name has no dot, so no tool's
+# entries (``<tool>``, ``<tool>.defs.<key>``) can meet it.
+_ANSWER = "answer.schema"
+
+
+def answer_or_calls_schema(
+    tools: tuple[FunctionDef, ...], parallel: bool, answer: dict[str, Any]
+) -> dict[str, Any]:
+    """Under ``tool_choice: auto`` with a JSON-schema response format: the answer in that
+    format, or calls as the ``json`` parser reads them (one call object, or a list of them).
+    OpenAI lets the model do either; the format alone would leave no room for a call."""
+    calls = calls_schema(tools, parallel)
+    defs = calls.pop("$defs")
+    defs.update(_lifted(_ANSWER, answer))
+    return {"anyOf": [{"$ref": f"#/$defs/{_ANSWER}"}, calls["items"], calls], "$defs": defs}
+
+
 _DEF_MAPS = {"$defs": "defs", "definitions": "definitions"}
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", *_DEF_MAPS})
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas

@@ -191,7 +191,7 @@ def test_required_calls_cut_short_are_calls_streamed_or_not(client: openai.OpenA
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[WEATHER, TIME],
         tool_choice="required",
-        max_tokens=60,
+        max_tokens=16,  # within the first call, or just past it
         temperature=0,
     )
     with client.chat.completions.stream(**kw) as stream:
@@ -200,10 +200,37 @@ def test_required_calls_cut_short_are_calls_streamed_or_not(client: openai.OpenA
         streamed = stream.current_completion_snapshot.choices[0]
     whole = client.chat.completions.create(**kw).choices[0]
     assert streamed.finish_reason == whole.finish_reason == "length"
-    assert whole.message.content is None and whole.message.tool_calls, whole.message
-    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+    assert whole.message.content == streamed.message.content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == [
         (c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []
     ]
+
+
+def test_auto_tools_with_a_json_schema_answer_or_call(client: openai.OpenAI) -> None:
+    """tool_choice auto and a response format (openai-agents' output_type with tools): the
+    answer is a valid call or follows the schema; before, the schema's grammar left no room
+    for a call."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model="base",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            response_format={"type": "json_schema", "json_schema": {"name": "City", "schema": schema}},
+            max_tokens=60,
+            temperature=1.0,
+        )
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            for call in msg.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+        elif r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(msg.content or ""), schema)
 
 
 def test_auto_answer_is_text_or_valid_calls(client: openai.OpenAI) -> None:

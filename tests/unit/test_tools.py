@@ -786,3 +786,114 @@ def test_completions_still_refuse_tools() -> None:
     with pytest.raises(InvalidRequest) as info:
         CompletionRequest.model_validate({"prompt": "x", "tool_choice": "required"})
     assert info.value.param == "tool_choice"
+
+
+# -- tool_choice auto with a structured output: an answer in the format, or calls ------------
+CITY = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "near": {"$ref": "#/$defs/Near"}, "twin": {"$ref": "#"}},
+    "required": ["name"],
+    "additionalProperties": False,
+    "$defs": {"Near": {"type": "array", "items": {"type": "string"}}},
+}
+A_CALL = {"name": "add", "arguments": {"a": 2}}
+
+
+def test_auto_tools_and_a_json_schema_admit_an_answer_or_calls() -> None:
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from gateway.structured import xgrammar_gap
+    from gateway.tools import answer_or_calls_schema
+
+    plan = plan_tools(request(tools=[WEATHER, ADD]))
+    schema = answer_or_calls_schema(plan.tools, plan.parallel, CITY)
+    assert xgrammar_gap(schema) is None
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    takes = [
+        {"name": "Oslo", "near": ["Bergen"], "twin": {"name": "Paris"}},  # the answer, its refs intact
+        A_CALL,
+        [A_CALL, {"name": "get_weather", "arguments": {"city": "Paris"}}],
+    ]
+    refuses = [
+        {"name": "add", "arguments": {"a": "two"}},
+        {"name": "Oslo", "near": [1]},
+        [],
+        {"town": "Oslo"},
+    ]
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in takes:
+        assert validator.is_valid(value) and _is_grammar_accept_string(grammar, json.dumps(value)), value
+    for value in refuses:
+        assert not validator.is_valid(value) and not _is_grammar_accept_string(grammar, json.dumps(value)), (
+            value
+        )
+    # one call at most: a list of two is no longer taken
+    one = answer_or_calls_schema(plan.tools, False, CITY)
+    assert not jsonschema.Draft202012Validator(one).is_valid([A_CALL, A_CALL])
+
+
+def _engine_constraint(engine: Any) -> Any:
+    return engine.calls[-1][1].constraint
+
+
+def test_auto_tools_and_a_format_reach_the_engine_as_either() -> None:
+    """openai-agents sends an agent's output_type with its tools (auto) on every turn: the
+    format alone left no room for a call, so the agent's tools were never called."""
+    import jsonschema
+
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    engine = ReadyEngine(words=["{}"], max_model_len=2000)
+    client = sdk(make_app(engine))
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": CITY, "strict": True}}
+    client.chat.completions.create(model="base-model", messages=USER, tools=[ADD], response_format=fmt)
+    chat = _engine_constraint(engine)
+    tool = {"type": "function", "name": "add", "parameters": ADD["function"]["parameters"]}
+    text = {"format": {"type": "json_schema", "name": "final_output", "schema": CITY, "strict": True}}
+    client.responses.create(model="base-model", input="Hi", tools=[tool], text=text)
+    for constraint in (chat, _engine_constraint(engine)):
+        validator = jsonschema.Draft202012Validator(constraint.value)
+        assert validator.is_valid(A_CALL) and validator.is_valid({"name": "Oslo"})
+        assert not validator.is_valid({"town": "Oslo"})
+    # without tools, or with tool_choice none, the format alone
+    client.chat.completions.create(model="base-model", messages=USER, response_format=fmt)
+    assert _engine_constraint(engine).value == CITY
+    client.chat.completions.create(
+        model="base-model", messages=USER, tools=[ADD], tool_choice="none", response_format=fmt
+    )
+    assert _engine_constraint(engine).value == CITY
+    # json_object: a call is a JSON object already
+    obj = {"type": "json_object"}
+    client.chat.completions.create(model="base-model", messages=USER, tools=[ADD], response_format=obj)
+    assert _engine_constraint(engine).kind == "json_object"
+
+
+def test_auto_tools_and_a_format_that_cannot_hold_a_call() -> None:
+    from gateway.catalog import Catalog, Route, RoutingTable
+    from gateway.types import Constraint
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    engine = ReadyEngine(words=["{}"], max_model_len=2000)
+    http = make_app(engine)
+    routes = {
+        "fixed": Route(name="fixed", kind="preset", response_format=Constraint("json", CITY), enforce=True),
+        "plain": Route(name="plain", kind="preset", tool_parser="none"),
+    }
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes=routes, errors={})
+    http.app.state.gateway.catalog = Catalog(lambda ids: table)  # type: ignore[attr-defined]
+    client = sdk(http)
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": CITY}}
+    # a route that enforces its format keeps it; one that reads no calls keeps the asked one
+    client.chat.completions.create(model="fixed", messages=USER, tools=[ADD])
+    assert _engine_constraint(engine) == Constraint("json", CITY)
+    client.chat.completions.create(model="plain", messages=USER, tools=[ADD], response_format=fmt)
+    assert _engine_constraint(engine) == Constraint("json", CITY)
+    # a regex leaves no room for a call: a 400, not tools that can never be called
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "base-model", "messages": USER, "tools": [ADD], "structured_outputs": {"regex": "a+"}},
+        headers={"authorization": f"Bearer {client.api_key}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
