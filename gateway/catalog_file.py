@@ -21,7 +21,7 @@ class SamplingDefaults(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
-    repetition_penalty: float | None = Field(None, ge=1e-45, le=2)  # float32: 0 below it
+    repetition_penalty: float | None = Field(None, ge=1e-30, le=2)  # logit / it: finite in float32
 
 
 class RouteEntry(BaseModel):

@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.structured import xgrammar_gap
+from gateway.tools import in_answer_terms
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ def _unenforced(engine: Any, so: Any) -> str | None:
     config = getattr(engine.vllm_config, "structured_outputs_config", None)
     if so.json is None or getattr(config, "backend", None) != "xgrammar":
         return None
-    return xgrammar_gap(json.loads(so.json) if isinstance(so.json, str) else so.json)
+    gap = xgrammar_gap(json.loads(so.json) if isinstance(so.json, str) else so.json)
+    return None if gap is None else in_answer_terms(gap)
 
 
 def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:

@@ -132,7 +132,7 @@ class SamplingFields(_Request):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, ge=1e-45, le=2.0)  # float32: 0 below it
+    repetition_penalty: float | None = Field(None, ge=1e-30, le=2.0)  # logit / it: finite in float32
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     # vLLM's: drop tokens below min_p x the top token's probability; stop on these ids;
@@ -149,6 +149,16 @@ class SamplingFields(_Request):
     _nulls = field_validator("n", "stream", "min_tokens", "ignore_eos", mode="before")(null_is_default)
 
     # InvalidRequest (not ValueError) passes through pydantic untouched, with its param.
+    @field_validator("repetition_penalty", mode="before")
+    @classmethod
+    def _penalty_floor(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e-30:
+            raise InvalidRequest(
+                "repetition_penalty must be at least 1e-30: the sampler divides logits by it in float32",
+                param="repetition_penalty",
+            )
+        return value
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_keys(cls, bias: Any) -> Any:

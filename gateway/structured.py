@@ -261,11 +261,12 @@ _TYPED_ONLY = {
     "minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
     "exclusiveMaximum": "number", "multipleOf": "number",
 }  # fmt: skip
-_OBJECT_WORDS = frozenset(
-    {"properties", "patternProperties", "additionalProperties", "required", "propertyNames",
-     "minProperties", "maxProperties"}
-)  # fmt: skip
-_ARRAY_WORDS = frozenset({"items", "prefixItems", "minItems", "maxItems", "contains", "uniqueItems"})
+# Without a "type", xgrammar reads a schema as an object only from these keywords, and as an
+# array only from the next; then it enforces that type's bounds too (with any other, none).
+_OBJECT_WORDS = frozenset({"properties", "additionalProperties"})
+_ARRAY_WORDS = frozenset({"items", "prefixItems"})
+_OBJECT_BOUNDS = ("minProperties", "maxProperties", "propertyNames", "patternProperties")
+_ARRAY_BOUNDS = ("minItems", "maxItems", "contains", "uniqueItems")
 _XGRAMMAR = "the grammar backend (xgrammar)"
 
 
@@ -301,12 +302,31 @@ def _siblings_gap(node: dict[str, Any], where: str, root: Any) -> str | None:
             )
         return None
     if "type" not in node and "enum" not in node and "const" not in node:
-        for keyword, kind in _TYPED_ONLY.items():
+        untyped = [] if where.endswith("propertyNames") else list(_TYPED_ONLY.items())  # keys: strings
+        if not any(k in node for k in _OBJECT_WORDS):
+            untyped += [(k, "object") for k in _OBJECT_BOUNDS]
+        if not any(k in node for k in _ARRAY_WORDS):
+            untyped += [(k, "array") for k in _ARRAY_BOUNDS]
+        for keyword, kind in untyped:
             if keyword in node:
                 return (
                     f"has '{keyword}' without a 'type' (at {where or 'the top'}), which {_XGRAMMAR} then "
                     f'does not enforce: add "type": "{kind}"'
                 )
+    if "format" in node and "pattern" in node:
+        return (
+            f"has both 'format' and 'pattern' (at {where or 'the top'}), and {_XGRAMMAR} enforces only "
+            "the format: keep one"
+        )
+    required, declared = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        names = declared if isinstance(declared, dict) else {}
+        missing = next((r for r in required if isinstance(r, str) and r not in names), None)
+        if missing is not None:
+            return (
+                f"requires '{missing}' (at {_at(where, 'required')}), which its 'properties' do not declare, "
+                f"and {_XGRAMMAR} enforces 'required' only for declared properties: declare it"
+            )
     return _refused_value(node, where)
 
 
@@ -320,8 +340,9 @@ def _within_type(node: dict[str, Any], kind: str, root: Any) -> bool:
         targets = [_local_ref(root, ref) if isinstance(ref, str) else None]
     else:
         targets = node[kind] if isinstance(node[kind], list) else [None]
+    memo: dict[int, frozenset[str] | None] = {}
     for target in targets:
-        types = _grammar_types(_resolved(target, root), root)
+        types = _grammar_types(_resolved(target, root), root, memo)
         if types is None or not all(t in allowed or (t == "integer" and "number" in allowed) for t in types):
             return False
     return True
@@ -334,8 +355,11 @@ def _type_names(kind: Any) -> frozenset[str] | None:
     return frozenset(kinds)
 
 
-def _grammar_types(schema: dict[str, Any] | None, root: Any, depth: int = 0) -> frozenset[str] | None:
-    """The JSON types xgrammar lets ``schema`` produce; None when it may be any."""
+def _grammar_types(
+    schema: dict[str, Any] | None, root: Any, memo: dict[int, frozenset[str] | None], depth: int = 0
+) -> frozenset[str] | None:
+    """The JSON types xgrammar lets ``schema`` produce; None when it may be any. ``memo``
+    holds what each branch gave (by identity), so shared branches are read once."""
     if schema is None or depth > _REF_HOPS:
         return None
     if "type" in schema:
@@ -351,7 +375,11 @@ def _grammar_types(schema: dict[str, Any] | None, root: Any, depth: int = 0) -> 
     if isinstance(branches, list) and branches:
         found: set[str] = set()
         for branch in branches:
-            types = _grammar_types(_resolved(branch, root), root, depth + 1)
+            key = id(branch)
+            if key not in memo:
+                memo[key] = None  # a cycle back here may be anything
+                memo[key] = _grammar_types(_resolved(branch, root), root, memo, depth + 1)
+            types = memo[key]
             if types is None:
                 return None
             found |= types
@@ -378,14 +406,15 @@ def _refused_value(node: dict[str, Any], where: str) -> str | None:
     keyword = "const" if "const" in node else "enum" if isinstance(node.get("enum"), list) else None
     if keyword is None:
         return None
-    others = {k: v for k, v in node.items() if k in _ASSERTIONS and k not in ("enum", "const")}
+    # Not a pattern: Python's re backtracks (a client's "^(a+)+$" would stall the loop).
+    others = {k: v for k, v in node.items() if k in _ASSERTIONS and k not in ("enum", "const", "pattern")}
     if not others or "$ref" in json.dumps(others):  # a $ref needs the whole schema: not checked
         return None
     try:
         validator = jsonschema.Draft202012Validator(others)
         values = [node["const"]] if keyword == "const" else node["enum"]
         refused = next((v for v in values if not validator.is_valid(v)), _NONE)
-    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, re.error, RecursionError):
+    except Exception:  # keywords another draft let through (multipleOf 0...): not judged here
         return None
     if refused is _NONE:
         return None

@@ -295,11 +295,33 @@ def answer_or_calls_schema(
 ) -> dict[str, Any]:
     """Under ``tool_choice: auto`` with a JSON-schema response format: the answer in that
     format, or calls as the ``json`` parser reads them (one call object, or a list of them).
-    OpenAI lets the model do either; the format alone would leave no room for a call."""
-    calls = calls_schema(tools, parallel)
-    defs = calls.pop("$defs")
-    defs.update(_lifted(_ANSWER, answer))
-    return {"anyOf": [{"$ref": f"#/$defs/{_ANSWER}"}, calls["items"], calls], "$defs": defs}
+    OpenAI lets the model do either; the format alone would leave no room for a call. A
+    call's arguments are any JSON object, as under ``auto`` without a format (read, not
+    decoded against the tool's schema, so a tool's schema cannot fail the format)."""
+    call = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [fn.name for fn in tools]},
+            "arguments": {"type": "object"},
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
+    if not parallel:
+        calls["maxItems"] = 1
+    return {"anyOf": [{"$ref": f"#/$defs/{_ANSWER}"}, call, calls], "$defs": _lifted(_ANSWER, answer)}
+
+
+def in_answer_terms(message: str) -> str:
+    """A message about ``answer_or_calls_schema``'s schema, with the places in the answer's
+    own schema named as the client wrote them."""
+    return (
+        message.replace(f"$defs/{_ANSWER}.defs.", "$defs/")
+        .replace(f"$defs/{_ANSWER}.definitions.", "definitions/")
+        .replace(f"(at $defs/{_ANSWER})", "(at the top)")
+        .replace(f"$defs/{_ANSWER}/", "")
+    )
 
 
 _DEF_MAPS = {"$defs": "defs", "definitions": "definitions"}

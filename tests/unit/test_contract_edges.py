@@ -237,7 +237,7 @@ async def test_add_special_tokens_is_honoured(serve: Serve) -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
-async def test_a_repetition_penalty_that_is_zero_in_float32_is_a_400(serve: Serve, path: str) -> None:
+async def test_a_repetition_penalty_the_sampler_cannot_divide_by_is_a_400(serve: Serve, path: str) -> None:
     # Found by fuzzing: 5e-324 is above 0 but 0 in the engine's float32 sampler, which divided
     # by it; under a grammar vLLM then ended the answer with finish_reason "error" (a 500 now).
     served = await serve()
@@ -246,7 +246,12 @@ async def test_a_repetition_penalty_that_is_zero_in_float32_is_a_400(serve: Serv
         body = {"model": "base", "input": "Hi", "repetition_penalty": 5e-324}
     r = await served.http.post(path, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
-    body["repetition_penalty"] = 1e-45  # the smallest float32 above 0
+    # 1e-45, the smallest float32 above 0, still makes logit / penalty infinite (a review ran
+    # vLLM's own apply_penalties: every probability NaN); 1e-30 keeps it finite
+    body["repetition_penalty"] = 1e-45
+    r = await served.http.post(path, json=body)
+    assert r.status_code == 400 and "at least 1e-30" in r.json()["error"]["message"], r.text
+    body["repetition_penalty"] = 1e-30
     r = await served.http.post(path, json=body)
     assert r.status_code == 200, r.text
 

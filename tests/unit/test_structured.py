@@ -288,7 +288,10 @@ def test_what_xgrammar_leaves_out_is_named(schema: dict[str, Any], witness: str,
         {"$defs": _DEFS, "type": "object", "$ref": "#/$defs/A"},  # the $ref keeps within the type
         {"type": ["object", "null"], "anyOf": [_A, {"type": "null"}]},
         {"type": "number", "anyOf": [{"type": "integer"}, {"type": "number", "minimum": 0.5}]},
-        {"type": "object", "anyOf": [{"required": ["a"]}, {"properties": {"b": {"const": 1}}}]},
+        {
+            "type": "object",
+            "anyOf": [{"properties": {"a": {}}, "required": ["a"]}, {"additionalProperties": False}],
+        },
         {"type": "string", "enum": ["a", "bb"], "title": "E"},  # as pydantic writes an Enum
         {"const": "cat", "type": "string"},
         {"properties": {"a": {"type": "integer"}}},  # no type: xgrammar takes it as an object

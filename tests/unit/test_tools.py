@@ -807,7 +807,11 @@ def test_auto_tools_and_a_json_schema_admit_an_answer_or_calls() -> None:
     from gateway.structured import xgrammar_gap
     from gateway.tools import answer_or_calls_schema
 
-    plan = plan_tools(request(tools=[WEATHER, ADD]))
+    lookup = {  # a tool schema xgrammar could not enforce does not reach the grammar
+        "type": "function",
+        "function": {"name": "lookup", "parameters": {"type": "object", "anyOf": [{"required": ["id"]}]}},
+    }
+    plan = plan_tools(request(tools=[WEATHER, ADD, lookup]))
     schema = answer_or_calls_schema(plan.tools, plan.parallel, CITY)
     assert xgrammar_gap(schema) is None
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
@@ -816,8 +820,10 @@ def test_auto_tools_and_a_json_schema_admit_an_answer_or_calls() -> None:
         A_CALL,
         [A_CALL, {"name": "get_weather", "arguments": {"city": "Paris"}}],
     ]
+    # a call's arguments are any object (read, as under auto without a format); its name is not
     refuses = [
-        {"name": "add", "arguments": {"a": "two"}},
+        {"name": "nope", "arguments": {}},
+        {"name": "add", "arguments": 3},
         {"name": "Oslo", "near": [1]},
         [],
         {"town": "Oslo"},
