@@ -23,7 +23,6 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.structured import xgrammar_gap
-from gateway.tools import in_answer_terms
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +86,7 @@ def _unenforced(engine: Any, so: Any) -> str | None:
     config = getattr(engine.vllm_config, "structured_outputs_config", None)
     if so.json is None or getattr(config, "backend", None) != "xgrammar":
         return None
-    gap = xgrammar_gap(json.loads(so.json) if isinstance(so.json, str) else so.json)
-    return None if gap is None else in_answer_terms(gap)
+    return xgrammar_gap(json.loads(so.json) if isinstance(so.json, str) else so.json)
 
 
 def _verify_structured(engine: Any, params: Any, tokenizer: Any) -> None:

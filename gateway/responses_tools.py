@@ -59,12 +59,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
         self.checked = 0  # auto: tools.settled_content's mark
         self.tail = ""  # auto: the rest of the text, read when the answer ended
         self.scanner = RequiredCallScanner()
-        plan = self.plan
-        # The first call's name when it is known before any token (as in sse_tools).
-        first = plan.named if plan.mode == "named" else None
-        if plan.mode == "required" and len(plan.tools) == 1:
-            first = plan.tools[0].name
-        self.first_name = first
+        self.first_name = self.plan.first_name
 
     # -- items ----------------------------------------------------------------------------
     def _open(self, item: _Item) -> bytes:

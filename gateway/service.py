@@ -42,6 +42,7 @@ from gateway.tools import (
     ToolPlan,
     answer_or_calls_schema,
     check_tool_messages,
+    in_answer_terms,
     plan_tools,
     template_messages,
     tool_template,
@@ -398,12 +399,13 @@ class ChatService:
 
     def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
         """The engine's form of ``sampling``; a constraint its grammar backend refuses is
-        reported on the field it came from."""
+        reported on the field it came from, at the place in the schema the client wrote."""
         try:
             return self._engine.prepare(sampling)
         except InvalidRequest as exc:
             if exc.param == "response_format":
                 exc.param = constraint_param
+                exc.message = in_answer_terms(exc.message)
             raise
 
 

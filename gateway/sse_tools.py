@@ -74,7 +74,6 @@ def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
     }
 
 
-# The head of the next call in a ``required`` answer; the grammar writes "name" first.
 @dataclass(slots=True)
 class _ChoiceState:
     text: str = ""  # auto: the answer so far
@@ -93,13 +92,8 @@ class ToolChatEncoder(OpenAIChatEncoder):
         self._plan = gen.tools
         self._parser = gen.route.tool_parser
         self._states = {i: _ChoiceState(call_id=call_id()) for i in range(gen.sampling.n)}
-        # The first call's name when it is known before any token: a named function, or the
-        # only one offered under ``required`` (the grammar allows no other).
-        plan = self._plan
-        self._first_name = plan.named if plan.mode == "named" else None
-        if plan.mode == "required" and len(plan.tools) == 1:
-            self._first_name = plan.tools[0].name
-        self._announced = plan.mode == "required" and self._first_name is not None
+        self._first_name = self._plan.first_name
+        self._announced = self._plan.mode == "required" and self._first_name is not None
 
     def _event(
         self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None

@@ -187,6 +187,7 @@ def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
 # Keywords xgrammar (the default grammar backend) takes and ignores: decoded without them, an
 # answer can break the schema. ``dependencies`` is the older spelling of the two after ``else``.
 _XGRAMMAR_IGNORES = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
+_XGRAMMAR = "the grammar backend (xgrammar)"
 # Where a schema holds schemas (the others hold data: enum, const, default...).
 _SUBSCHEMA = frozenset(
     {
@@ -219,8 +220,8 @@ def xgrammar_gap(schema: Any) -> str | None:
         for keyword in _XGRAMMAR_IGNORES:
             if keyword in node:
                 return (
-                    f"uses '{keyword}' (at {_at(where, keyword)}), which the grammar backend (xgrammar) "
-                    "does not enforce: answers could break the schema"
+                    f"uses '{keyword}' (at {_at(where, keyword)}), which {_XGRAMMAR} does not enforce: "
+                    "answers could break the schema"
                 )
         problem = _siblings_gap(node, where, schema)
         if problem is not None:
@@ -228,9 +229,9 @@ def xgrammar_gap(schema: Any) -> str | None:
         branches = node.get("oneOf")
         if isinstance(branches, list) and not _disjoint(branches, node, schema):
             return (
-                f"has a 'oneOf' (at {_at(where, 'oneOf')}) whose branches may overlap, which the grammar "
-                "backend (xgrammar) decodes as 'anyOf': use 'anyOf', or give every branch a required "
-                "property with a 'const' of its own"
+                f"has a 'oneOf' (at {_at(where, 'oneOf')}) whose branches may overlap, which {_XGRAMMAR} "
+                "decodes as 'anyOf': use 'anyOf', or give every branch a required property with a "
+                "'const' of its own"
             )
         children = list(_subschemas(node, where))
         ref = node.get("$ref")
@@ -267,7 +268,6 @@ _OBJECT_WORDS = frozenset({"properties", "additionalProperties"})
 _ARRAY_WORDS = frozenset({"items", "prefixItems"})
 _OBJECT_BOUNDS = ("minProperties", "maxProperties", "propertyNames", "patternProperties")
 _ARRAY_BOUNDS = ("minItems", "maxItems", "contains", "uniqueItems")
-_XGRAMMAR = "the grammar backend (xgrammar)"
 
 
 def _siblings_gap(node: dict[str, Any], where: str, root: Any) -> str | None:
@@ -285,10 +285,10 @@ def _siblings_gap(node: dict[str, Any], where: str, root: Any) -> str | None:
         )
     if combinators:
         kind = combinators[0]
-        branches = node[kind] if kind != "$ref" else [node]
-        if kind == "allOf" and isinstance(branches, list) and len(branches) > 1:
+        parts = node["allOf"] if kind == "allOf" else None
+        if isinstance(parts, list) and len(parts) > 1:
             return (
-                f"has an 'allOf' of {len(branches)} schemas (at {_at(where, 'allOf')}), which {_XGRAMMAR} "
+                f"has an 'allOf' of {len(parts)} schemas (at {_at(where, 'allOf')}), which {_XGRAMMAR} "
                 "does not enforce: merge them into one schema"
             )
         for keyword in node:
@@ -506,11 +506,8 @@ def _resolved(schema: Any, root: Any) -> dict[str, Any] | None:
 
 
 def _types(schema: dict[str, Any], parent: dict[str, Any]) -> frozenset[str] | None:
-    kind = schema.get("type", parent.get("type"))
-    kinds = [kind] if isinstance(kind, str) else kind
-    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
-        return None
-    return frozenset("number" if k == "integer" else k for k in kinds)  # an integer is a number
+    kinds = _type_names(schema.get("type", parent.get("type")))
+    return None if kinds is None else frozenset("number" if k == "integer" else k for k in kinds)
 
 
 def _values(schema: dict[str, Any] | None) -> frozenset[Any] | None:

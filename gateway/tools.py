@@ -119,6 +119,14 @@ class ToolPlan:
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tools)
 
+    @property
+    def first_name(self) -> str | None:
+        """The first call's name when it is known before any token: a named function, or
+        the only one offered under ``required`` (the grammar allows no other)."""
+        if self.mode == "named":
+            return self.named
+        return self.tools[0].name if self.mode == "required" and len(self.tools) == 1 else None
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The ``tools`` argument of the chat template (None: render as a plain chat)."""
         if self.mode == "none" or not self.tools:
@@ -525,6 +533,7 @@ def _finite(text: str) -> float:
 _STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
+# The head of the next call in a ``required`` answer; the grammar writes "name" first.
 _CALL_HEAD = re.compile(
     r'\s*(?:\}\s*)?[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
 )
@@ -612,8 +621,8 @@ def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None,
         return None, [ParsedCall(plan.named, text)]
     if plan.mode == "required":
         calls = parse_required(text)
-        if not calls and len(plan.tools) == 1:  # its name is known before any token: the
-            calls = [ParsedCall(plan.tools[0].name, "")]  # stream announced it (sse_tools)
+        if not calls and plan.first_name is not None:  # the stream announced it before any token
+            calls = [ParsedCall(plan.first_name, "")]
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto" and parser == "json":
         content, calls = parse_calls(text, plan.names)
