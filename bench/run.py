@@ -332,7 +332,6 @@ class Bench:
         # The same prompts for every target in the same pass: like for like (and no prefix
         # cache hits between one server's passes, which get other prompts).
         seed = seed_for(self.run_id, "pass", n_pass, mix, c)
-        jobs = self.jobs(mix, n, seed, seed_for(self.run_id, "models", mix, c, n_pass))
         max_tokens = self.max_tokens(mix)
         hist0 = engine_histograms(server.base_url, self.api_key)
         assert server.proc is not None
@@ -346,6 +345,7 @@ class Bench:
                 summary, report = vllm_client.run_point(argv, self.api_key, n, max_tokens)
                 (self.out / "logs" / f"vllm-client-{target}-{mix}-c{c}-{n_pass}.txt").write_text(report)
             else:
+                jobs = self.jobs(mix, n, seed, seed_for(self.run_id, "models", mix, c, n_pass))
                 res, duration = run_loop(
                     drive(server.base_url, jobs, c, max_tokens, self.api_key, self.shape_of(mix))
                 )

@@ -71,7 +71,7 @@ def bench_argv(
     return argv
 
 
-def summary_of(result: dict[str, Any], n: int) -> dict[str, Any]:
+def summary_of(result: dict[str, Any], n: int, output_tokens: int) -> dict[str, Any]:
     """vLLM's result as the point fields bench/client.py's ``summarize`` writes (the ones it has)."""
 
     def get(key: str) -> float | None:
@@ -103,7 +103,7 @@ def summary_of(result: dict[str, Any], n: int) -> dict[str, Any]:
         "e2e_ms_p50": get("median_e2el_ms"),
         "e2e_ms_p99": get("p99_e2el_ms"),
         "tokens_per_chunk": None,
-        "output_tokens_short": sum(1 for k in result.get("output_lens") or [] if k != result.get("_max")),
+        "output_tokens_short": sum(1 for k in result.get("output_lens") or [] if k != output_tokens),
         "client": "vllm bench serve",
     }
 
@@ -126,4 +126,4 @@ def run_point(argv: list[str], api_key: str, n: int, output_tokens: int) -> tupl
             os.environ.pop("OPENAI_API_KEY", None)
         else:
             os.environ["OPENAI_API_KEY"] = previous
-    return summary_of({**result, "_max": output_tokens}, n), out.getvalue()
+    return summary_of(result, n, output_tokens), out.getvalue()

@@ -70,7 +70,7 @@ def test_vllms_result_becomes_the_point_fields() -> None:
         "median_itl_ms": 4.0,
         "output_lens": [128] * 93 + [7],
     }
-    point = summary_of({**result, "_max": 128}, 96)
+    point = summary_of(result, 96, 128)
     assert point["failed"] == 2 and point["first_error"] == "boom"
     assert (
         point["out_tok_per_s"] == 1203.2 and point["ttft_ms_p50"] == 100.0 and point["ttft_ms_p99"] == 300.0
