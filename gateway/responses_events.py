@@ -27,7 +27,7 @@ from typing import Any
 from gateway.errors import EngineFailed, GatewayError
 from gateway.responses_api import ResponsesRequest, format_echo
 from gateway.service import Collected, Generation
-from gateway.tools import call_id, calls_of_answer
+from gateway.tools import call_id, calls_lead, calls_of_answer
 from gateway.types import StepOutput
 
 log = logging.getLogger(__name__)
@@ -189,10 +189,13 @@ class ResponseDraft:
         offered, the function calls read from it (``tools.calls_of_answer``)."""
         if self.gen.tools.mode == "none":
             return [self.message(text, status)]
-        content, calls = calls_of_answer(self.gen.tools, text, self.gen.route.tool_parser)
-        output = [self.message(content, status)] if content else []
-        for call in calls:
-            output.append(function_call(item_id("fc"), call_id(), call.name, call.arguments, status))
+        parser = self.gen.route.tool_parser
+        content, calls = calls_of_answer(self.gen.tools, text, parser)
+        output = [function_call(item_id("fc"), call_id(), c.name, c.arguments, status) for c in calls]
+        if content:  # in the order generated
+            output.insert(
+                len(output) if calls_lead(self.gen.tools, text, parser) else 0, self.message(content, status)
+            )
         return output
 
 

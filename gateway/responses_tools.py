@@ -25,7 +25,14 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.responses_events import ResponseDraft, ResponseEventEncoder, function_call, item_id, text_part
-from gateway.tools import CALL_OPENERS, RequiredCallScanner, call_id, calls_of_answer, settled_content
+from gateway.tools import (
+    CALL_OPENERS,
+    RequiredCallScanner,
+    call_id,
+    calls_lead,
+    calls_of_answer,
+    settled_content,
+)
 from gateway.types import Chunk, StepOutput
 
 
@@ -180,12 +187,14 @@ class ResponseToolEncoder(ResponseEventEncoder):
                 self.tail = (content or "")[self.sent :]
                 if self.tail:
                     self.items[0].parts.append(self.tail)
-            elif content:
-                self.items.append(_Item("message", self.draft.message_id, parts=[content]))
             for call in calls:
                 item = self._call(call.name)
                 item.parts.append(call.arguments)
                 self.items.append(item)
+            if content and not self.streaming_text:  # in the order generated
+                message = _Item("message", self.draft.message_id, parts=[content])
+                lead = calls_lead(self.plan, held, self.parser)
+                self.items.insert(len(self.items) if lead else len(self.items) - len(calls), message)
         # An item closed because the next one opened was complete; the rest end with the answer.
         output = [item.render(self.draft, "completed" if item.closed else status) for item in self.items]
         return self.draft.render(status, output, (input_tokens, output_tokens))

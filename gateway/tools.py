@@ -630,6 +630,12 @@ def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None,
     return text, []
 
 
+def calls_lead(plan: ToolPlan, text: str, parser: str) -> bool:
+    """Whether ``calls_of_answer`` reads ``text`` as calls that came before its content (an
+    ``auto`` answer that opened with them): a Response lists its items in that order."""
+    return plan.mode == "auto" and parser == "json" and bool(_leading_calls(text, plan.names)[0])
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

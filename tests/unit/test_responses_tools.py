@@ -107,6 +107,24 @@ def test_auto_stream_of_text_then_a_call_sends_the_text_then_the_call() -> None:
 
 
 @pytest.mark.parametrize(
+    ("answer", "order"),
+    [
+        ('{"name": "get_time", "arguments": {}}\nThat is all.', ["function_call", "message"]),
+        ('```json\n{"name": "get_time", "arguments": {}}\n```\nDone.', ["function_call", "message"]),
+        ('{"oops": 1}\n{"name": "get_time", "arguments": {}}', ["message", "function_call"]),
+    ],
+)
+def test_auto_items_keep_the_order_generated(answer: str, order: list[str]) -> None:
+    http, _ = app([answer])
+    whole = sdk(http).responses.create(model="base-model", input="Hi", tools=[WEATHER, TIME])
+    events, final = streamed(http, input="Hi", tools=[WEATHER, TIME])
+    assert [o.type for o in whole.output] == order and [o.type for o in final.output] == order
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    indexes = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == order and indexes == [0, 1]
+
+
+@pytest.mark.parametrize(
     "answer",
     [
         "Sunny.  ",
