@@ -26,7 +26,9 @@ it hands the engine work for at most ``slots`` adapters at a time:
   queue), so it drains and its slot moves on.
 - Bounded wait: an adapter whose oldest queued request has waited ``max_wait_s`` gets
   its queue sent to the engine anyway, over the slot count; vLLM then schedules it.
-  Correctness never depends on this gate, only the order of work does.
+  Correctness never depends on this gate, only the order of work does. Not while an
+  adapter is pinned: vLLM would then batch more unpinned adapters than it has free GPU
+  slots, which kills the engine; the quantum still moves the slots on.
 
 Routes on the same adapter files share one engine LoRA id, so here one adapter: one
 queue, one slot and one virtual time at the route level for all of them, charged at the
@@ -281,7 +283,11 @@ class LoraScheduler:
         """Send on the queues whose oldest request has waited ``max_wait_s``; returns how
         many requests went. Runs from a timer; tests call it after moving the clock."""
         now = self._clock()
-        late = [a for a in self._waiting.values() if now - a.queue[0].arrived >= self.max_wait_s]
+        late = [
+            a
+            for a in self._waiting.values()
+            if now - a.queue[0].arrived >= self.max_wait_s and self._may_force(a)
+        ]
         sent = 0
         for adapter in late:
             routes = Counter(w.route for w in adapter.queue)
@@ -296,11 +302,20 @@ class LoraScheduler:
         self._arm()
         return sent
 
+    def _may_force(self, adapter: _Adapter) -> bool:
+        """Whether the bounded wait may send this adapter's queue on. Over the slot count only
+        while nothing is pinned: vLLM batches up to ``max_loras`` adapters without counting
+        pinned ones, and a batch with more unpinned adapters than free GPU slots evicts one of
+        its own adapters and kills the engine (``KeyError`` in ``convert_mapping``). With pins,
+        a waiting adapter gets a slot when an active one drains (the quantum sees to it)."""
+        return adapter.granted_at is not None or not self._pinned
+
     def _arm(self) -> None:
-        """One timer, for the earliest deadline among the queue heads."""
-        if not self._waiting:
+        """One timer, for the earliest deadline among the queue heads that may be forced."""
+        heads = [a.queue[0].arrived for a in self._waiting.values() if self._may_force(a)]
+        if not heads:
             return
-        deadline = min(a.queue[0].arrived for a in self._waiting.values()) + self.max_wait_s
+        deadline = min(heads) + self.max_wait_s
         if self._timer is not None and not self._timer.cancelled() and self._timer_at <= deadline:
             return
         if self._timer is not None:

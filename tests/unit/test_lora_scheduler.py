@@ -533,3 +533,31 @@ async def test_over_the_slot_count_after_a_timeout_adapters_drain_back_to_it() -
     assert "a2" not in r.went()  # A drains first ...
     await r.release("a1")
     assert "a2" in r.went()  # ... then gets its turn again
+
+
+async def test_with_a_pin_a_request_past_max_wait_still_waits_for_a_slot() -> None:
+    """vLLM batches up to max_loras adapters and does not count pinned ones: with one of
+    two slots pinned, two unpinned adapters in one batch make the engine evict one of them
+    mid-batch and die. The bounded wait must not send a second unpinned adapter in."""
+    clock = Clock()
+    s = make(slots=2, max_wait_s=3.0, clock=clock, pinned={1})
+    r = Requests(s)
+    await r.ask("a1", A)  # pinned
+    await r.ask("b1", B)  # the one unpinned slot
+    await r.ask("c1", C)
+    clock.now += 10.0
+    assert s.expire() == 0 and r.went() == {"a1", "b1"}
+    assert s._timer is None  # nothing to force: no timer spinning on a past deadline
+    await r.release("b1")
+    assert "c1" in r.went()
+
+
+async def test_with_a_pin_the_timer_does_not_spin() -> None:
+    s = make(slots=2, max_wait_s=0.01, clock=asyncio.get_running_loop().time, pinned={1})
+    r = Requests(s)
+    await r.ask("b1", B)
+    c1 = await r.ask("c1", C)
+    await asyncio.sleep(0.05)
+    assert not c1.done() and s.forced == 0
+    await r.release("b1")
+    assert c1.done()
