@@ -149,10 +149,15 @@ class AdapterSlots:
         if not self.pins_waiting or not self._room_to_pin():
             return
         route = next(iter(self.pins_waiting.values()))
+        assert route.lora is not None
         try:
+            # While it waited, the engine may have evicted it from its CPU cache (LRU,
+            # ``max_cpu_loras``), and vLLM refuses to pin an adapter it does not hold: add it
+            # again first (a no-op when it is still there).
+            await self.engine.add_lora(route.lora)
+            self.resident.add(route.lora.lora_id)
             await self._pin(route)
         except GatewayError as exc:
-            assert route.lora is not None
             self.pins_waiting.pop(route.lora.lora_id, None)
             log.error("adapter %s could not be pinned: %s", route.name, exc.message)
 

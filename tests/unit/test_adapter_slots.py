@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.adapter_slots import AdapterSlots
 from gateway.catalog import Catalog, Route, RoutingTable
+from gateway.errors import EngineFailed
 from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
@@ -36,6 +37,8 @@ class SlotEngine(FakeEngine):
         self.loras.discard(lora_id)
 
     async def pin_lora(self, lora_id: int) -> None:
+        if lora_id not in self.loras:  # as vLLM: "Pinning failed. LoRA n is not registered."
+            raise EngineFailed("the engine failed to process the request")
         self.pinned.append(lora_id)
 
     async def list_loras(self) -> set[int]:
@@ -104,7 +107,6 @@ async def test_a_hot_swapped_pinned_adapter_is_pinned_once_its_old_version_leave
 
 
 async def test_a_pin_that_fails_on_retry_is_logged_and_the_removal_completes() -> None:
-    from gateway.errors import EngineFailed
 
     s, engine, _ = slots(max_loras=2)
     await s.register(lora_route("shout", 1, pinned=True))
@@ -116,6 +118,19 @@ async def test_a_pin_that_fails_on_retry_is_logged_and_the_removal_completes() -
     engine.pin_lora = failing_pin  # type: ignore[method-assign]
     await s.remove(1)
     assert engine.loras == {2} and s.pinned == set() and s.pins_waiting == {}
+
+
+async def test_a_waiting_pin_evicted_from_the_cpu_cache_is_pinned_when_its_turn_comes() -> None:
+    """max_loras=2: one pin. The second pinned route waits; meanwhile other adapters push
+    its version out of vLLM's CPU cache (max_cpu_loras), and vLLM refuses to pin an adapter
+    it does not hold. When the first pin leaves, the waiting one must still be pinned."""
+    s, engine, _ = slots(max_loras=2)
+    first, second = lora_route("r1", 1, pinned=True), lora_route("r2", 2, pinned=True)
+    await s.register(first)
+    await s.register(second)
+    engine.loras.discard(2)  # evicted by the engine's LRU
+    await s.remove(1)
+    assert engine.pinned == [1, 2] and s.residency(second) == "gpu" and 2 in engine.loras
 
 
 async def test_cold_then_warm_and_evictions_seen_on_refresh() -> None:
@@ -176,7 +191,6 @@ def test_max_cpu_loras_is_a_flag() -> None:
 
 
 async def test_a_failed_warm_up_takes_the_weights_back_out() -> None:
-    from gateway.errors import EngineFailed
 
     s, engine, _ = slots()
 
