@@ -132,6 +132,13 @@ def load_table(
         tool_parser=spec.base.tool_parser,
     )
     taken = {base.name, *base.aliases}
+    # A route's own name is its own wherever the entry stands, rejected or not: an alias on
+    # another entry that names it is that entry's clash, so an edit never moves an existing
+    # route's traffic to another adapter (and a broken entry keeps its name until fixed).
+    owners: dict[str, int] = {}
+    for index, item in enumerate(spec.routes):
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            owners.setdefault(item["name"], index)
     routes: dict[str, Route] = {}
     errors: dict[str, str] = {}
     for index, item in enumerate(spec.routes):
@@ -139,6 +146,7 @@ def load_table(
         try:
             entry = RouteEntry.model_validate(item)
             clash = taken.intersection([entry.name, *entry.aliases])
+            clash.update(a for a in entry.aliases if owners.get(a, index) != index)
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
             route = _build_route(

@@ -221,6 +221,21 @@ def test_duplicate_names_are_rejected(tmp_path: Path, root: Path) -> None:
     assert "already used: loud" in table.errors["other"]
 
 
+def test_an_alias_never_takes_another_routes_name(tmp_path: Path, root: Path) -> None:
+    """An alias added to an earlier entry that names a later route must not reject that
+    route and send its traffic to another adapter: the entry with the alias is the clash."""
+    text = CATALOG.replace("aliases: [loud, caps]", "aliases: [loud, caps, json]")
+    table = table_for(tmp_path, root, text)
+    assert "already used: json" in table.errors["shout"] and "json" not in table.errors
+    assert table.resolve("json").name == "json" and table.resolve("json").lora is not None
+
+
+def test_a_broken_entry_keeps_its_name_from_another_entrys_alias(tmp_path: Path, root: Path) -> None:
+    text = CATALOG.replace("adapter: json", "adapter: missing") + "  - name: other\n    aliases: [json]\n"
+    table = table_for(tmp_path, root, text)
+    assert "not found" in table.errors["json"] and "already used: json" in table.errors["other"]
+
+
 def test_rank_check_uses_engine_limit(tmp_path: Path, root: Path) -> None:
     table = table_for(tmp_path, root, max_lora_rank=4)
     assert "rank 8 is above engine.max_lora_rank=4" in table.errors["shout"]
