@@ -94,6 +94,7 @@ class AdapterSlots:
         # Pins refused for want of a free slot, in order: retried when a pinned version leaves.
         self.pins_waiting: dict[int, Route] = {}
         self.resident: set[int] = set()  # the engine's list_loras(), as last seen
+        self.preloaded: set[int] = set()  # versions warmed since they were added
         self.paths: dict[int, Path] = {}
 
     async def register(self, route: Route) -> None:
@@ -111,8 +112,11 @@ class AdapterSlots:
             self.resident.add(lora.lora_id)
             self.paths[lora.lora_id] = Path(lora.path)
         try:
-            if route.preload and fresh:
+            # Also a version already loaded whose entry now asks for preload (an edit that
+            # sets ``preload: true`` keeps the files, so the version and its id stay).
+            if route.preload and lora.lora_id not in self.preloaded:
                 await self._preload(route)
+                self.preloaded.add(lora.lora_id)
             if route.pinned and lora.lora_id not in self.pinned:
                 await self._pin(route)
         except GatewayError:
@@ -177,6 +181,7 @@ class AdapterSlots:
     async def remove(self, lora_id: int) -> None:
         await self.engine.remove_lora(lora_id)
         self.registered.discard(lora_id)
+        self.preloaded.discard(lora_id)
         self.pins_waiting.pop(lora_id, None)
         was_pinned = lora_id in self.pinned
         self.pinned.discard(lora_id)

@@ -79,6 +79,17 @@ async def test_preload_warms_with_one_token_under_a_versioned_name() -> None:
     assert lora is not None and lora.lora_id == 3 and lora.name == "json@" + "03" * 6
 
 
+async def test_setting_preload_on_a_loaded_adapter_warms_it_once() -> None:
+    """``preload: true`` added to an entry whose files did not change: same version, same
+    id, already registered; it must still be warmed (once, not at every reload)."""
+    s, engine, _ = slots()
+    await s.register(lora_route("json", 3))
+    assert engine.calls == []
+    await s.register(lora_route("json", 3, preload=True))
+    await s.register(lora_route("json", 3, preload=True))  # another reload
+    assert [call[2] for call in engine.calls] == ["preload-json-3"]
+
+
 async def test_pinned_adapters_are_pinned_but_one_slot_stays_free() -> None:
     s, engine, _ = slots(max_loras=3)
     routes = [lora_route(f"r{i}", i, pinned=True) for i in (1, 2, 3)]
