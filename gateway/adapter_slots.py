@@ -34,6 +34,7 @@ from typing import Literal
 
 from gateway.catalog import Route
 from gateway.errors import GatewayError
+from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics
 from gateway.snapshots import SnapshotDir
 from gateway.types import Engine, SamplingSpec
@@ -96,6 +97,9 @@ class AdapterSlots:
         self.resident: set[int] = set()  # the engine's list_loras(), as last seen
         self.preloaded: set[int] = set()  # versions warmed since they were added
         self.paths: dict[int, Path] = {}
+        # Warm-ups take their turn like any LoRA request: one sent past it could put more
+        # adapters in a batch than vLLM has free GPU slots (with a pin, that kills it).
+        self.scheduler: LoraScheduler | None = None
 
     async def register(self, route: Route) -> None:
         """Add, pin and warm one route's adapter; an id already registered is not loaded
@@ -174,8 +178,14 @@ class AdapterSlots:
         params = self.engine.prepare(SamplingSpec(max_tokens=1, temperature=0.0))
         prompt = self.engine.tokenizer.encode("Hello")
         t0 = time.perf_counter()
-        async for _ in self.engine.generate(prompt, params, f"preload-{route.name}-{lora.lora_id}", lora):
-            pass
+        ticket = await self.scheduler.turn(route) if self.scheduler is not None else None
+        try:
+            request_id = f"preload-{route.name}-{lora.lora_id}"
+            async for _ in self.engine.generate(prompt, params, request_id, lora):
+                pass
+        finally:
+            if ticket is not None:
+                ticket.release()
         log.info("adapter %s preloaded (%.0f ms)", route.name, (time.perf_counter() - t0) * 1000)
 
     async def remove(self, lora_id: int) -> None:

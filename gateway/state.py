@@ -47,7 +47,9 @@ class Gateway:
             settings.responses.resolved_path(settings.cache_dir), settings.responses.ttl_s
         )
         self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.max_loras)
-        self.scheduler = lora_scheduler(settings, self.adapters.pinned, self.metrics)
+        self.scheduler = self.adapters.scheduler = lora_scheduler(
+            settings, self.adapters.pinned, self.metrics
+        )
         self.service = ChatService(self.engine, settings.limits, self.scheduler)
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0

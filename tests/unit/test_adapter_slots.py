@@ -3,6 +3,7 @@ across hot swaps."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from gateway.adapter_slots import AdapterSlots
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import EngineFailed
+from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
@@ -88,6 +90,24 @@ async def test_setting_preload_on_a_loaded_adapter_warms_it_once() -> None:
     await s.register(lora_route("json", 3, preload=True))
     await s.register(lora_route("json", 3, preload=True))  # another reload
     assert [call[2] for call in engine.calls] == ["preload-json-3"]
+
+
+async def test_a_warm_up_waits_for_its_adapters_turn() -> None:
+    """With max_loras=2 and one pin, one unpinned adapter may be in the engine at a time: a
+    warm-up sent past the scheduler would make two, which kills vLLM's engine."""
+    s, engine, _ = slots(max_loras=2)
+    s.scheduler = LoraScheduler(2, quantum_s=10.0, max_wait_s=60.0, pinned=s.pinned)
+    await s.register(lora_route("pin", 1, pinned=True))
+    busy = await s.scheduler.turn(lora_route("busy", 2))  # a user request holds the slot
+    assert busy is not None
+    warm = asyncio.create_task(s.register(lora_route("new", 3, preload=True)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert engine.calls == [] and not warm.done()
+    busy.release()
+    await asyncio.wait_for(warm, 5)
+    assert [call[2] for call in engine.calls] == ["preload-new-3"]
+    assert s.scheduler.snapshot()["active"] == {}
 
 
 async def test_pinned_adapters_are_pinned_but_one_slot_stays_free() -> None:
