@@ -143,9 +143,14 @@ class AdapterSlots:
                 self.max_loras,
             )
             return
-        await self.engine.pin_lora(route.lora.lora_id)
+        if self.scheduler is None:
+            await self.engine.pin_lora(route.lora.lora_id)
+            self.pinned.add(route.lora.lora_id)
+        else:
+            async with self.scheduler.room_for_pin(route.lora.lora_id):
+                await self.engine.pin_lora(route.lora.lora_id)
+                self.pinned.add(route.lora.lora_id)
         self.pins_waiting.pop(route.lora.lora_id, None)
-        self.pinned.add(route.lora.lora_id)
         log.info("adapter %s pinned to a GPU slot", route.name)
 
     def _room_to_pin(self) -> bool:

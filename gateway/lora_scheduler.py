@@ -45,9 +45,10 @@ Everything here runs on the event loop and costs a few dict operations per reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -146,6 +147,8 @@ class LoraScheduler:
         self._timer_at = 0.0
         self.queued = 0
         self.forced = 0  # requests sent on after max_wait_s
+        self._pins_coming = 0  # pins waiting for room (``room_for_pin``): slots already taken
+        self._room: list[asyncio.Future[None]] = []
 
     # -- per request ------------------------------------------------------------------
     async def turn(self, route: Route, caller: Caller | None = None) -> Ticket | None:
@@ -203,7 +206,25 @@ class LoraScheduler:
         return waiting + max(0, over) > sum(1 for a in self._active.values() if a.draining)
 
     def _capacity(self) -> int:
-        return max(1, self.slots - len(self._pinned))
+        return max(1, self.slots - len(self._pinned) - self._pins_coming)
+
+    @contextlib.asynccontextmanager
+    async def room_for_pin(self, lora_id: int) -> AsyncIterator[None]:
+        """Hold a slot for a pin about to be made, and wait until the other active adapters
+        fit the slots left. vLLM batches up to ``max_loras`` adapters without counting
+        pinned ones: a pin made while ``max_loras`` unpinned adapters run leaves a batch
+        needing more GPU slots than are free, which kills the engine. Pin inside the block,
+        and add the id to ``pinned`` there."""
+        self._pins_coming += 1
+        try:
+            while sum(1 for a in self._active.values() if a.lora_id != lora_id) > self._capacity():
+                room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._room.append(room)
+                await room
+            yield
+        finally:
+            self._pins_coming -= 1
+            self._fill()
 
     def _activate(self, adapter: _Adapter) -> None:
         adapter.granted_at = self._clock()
@@ -214,6 +235,10 @@ class LoraScheduler:
         adapter.granted_at = None
         adapter.draining = False
         del self._active[adapter.lora_id]
+        rooms, self._room = self._room, []
+        for room in rooms:
+            if not room.done():
+                room.set_result(None)
 
     def _unslot(self, adapter: _Adapter) -> None:
         """A pinned adapter needs none of ``slots``. One pinned while it was active (a reload

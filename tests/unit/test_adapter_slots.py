@@ -360,3 +360,16 @@ async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> 
     assert engine.pinned == [pinned_shout, lora_id(served, "json")]
     shout = served.gw.catalog_or_503().table.routes["shout"].lora
     assert shout is not None and Path(shout.path).is_dir()  # the copy both versions shared stays
+
+
+async def test_a_pin_waits_for_room_among_the_active_adapters() -> None:
+    s, engine, _ = slots(max_loras=2)
+    s.scheduler = LoraScheduler(2, quantum_s=10.0, max_wait_s=60.0, pinned=s.pinned)
+    tickets = [await s.scheduler.turn(lora_route(f"u{i}", i)) for i in (1, 2)]
+    pinning = asyncio.create_task(s.register(lora_route("p", 3, pinned=True)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert engine.pinned == [] and not pinning.done()
+    tickets[0].release()  # type: ignore[union-attr]
+    await asyncio.wait_for(pinning, 5)
+    assert engine.pinned == [3] and s.residency(lora_route("p", 3, pinned=True)) == "gpu"

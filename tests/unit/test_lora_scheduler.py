@@ -561,3 +561,28 @@ async def test_with_a_pin_the_timer_does_not_spin() -> None:
     assert not c1.done() and s.forced == 0
     await r.release("b1")
     assert c1.done()
+
+
+async def test_a_pin_waits_until_the_other_active_adapters_fit_the_slots_left() -> None:
+    """Two slots, A and B active: pinning C now would leave vLLM a batch of A and B with one
+    free GPU slot, which kills the engine. The pin waits for one of them to leave, and no
+    other adapter takes the slot meanwhile."""
+    pinned: set[int] = set()
+    s = make(slots=2, pinned=pinned)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+
+    async def pin() -> None:
+        async with s.room_for_pin(3):
+            pinned.add(3)
+
+    pinning = asyncio.create_task(pin())
+    await settle()
+    assert not pinning.done()
+    await r.release("a1")
+    await r.ask("d1", D)  # A's slot is held for the pin
+    await asyncio.wait_for(pinning, 5)
+    assert "d1" not in r.went() and pinned == {3}
+    await r.release("b1")
+    assert "d1" in r.went()
