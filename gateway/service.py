@@ -137,16 +137,30 @@ class Generation:
                 finished = step.finished
                 yield step
         finally:
-            self._lease.release()
-            if ticket is not None:
-                ticket.release()
             if started and not finished:
                 # The consumer left early (disconnect, error). Abort in a task of its own:
                 # awaiting here could be cancelled again before the engine hears of it.
-                for request_id in self._request_ids:
-                    task = asyncio.get_running_loop().create_task(self._engine.abort(request_id))
-                    _background.add(task)
-                    task.add_done_callback(_background.discard)
+                task = asyncio.get_running_loop().create_task(self._abort(ticket))
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+            else:
+                self._release(ticket)
+
+    async def _abort(self, ticket: Ticket | None) -> None:
+        """Abort the engine requests, then let go of the route version and the adapter's
+        turn. In the other order the engine could still run these requests when the next
+        adapter's arrive (with a pinned slot vLLM cannot place a batch with more unpinned
+        adapters than it has free slots: the engine dies) or after a retired version left."""
+        try:
+            for request_id in self._request_ids:
+                await self._engine.abort(request_id)
+        finally:
+            self._release(ticket)
+
+    def _release(self, ticket: Ticket | None) -> None:
+        self._lease.release()
+        if ticket is not None:
+            ticket.release()
 
     def _engine_steps(self) -> AsyncIterator[StepOutput]:
         priority = self.caller.priority if self.caller is not None else 0

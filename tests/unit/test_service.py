@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.catalog_file import SamplingDefaults
 from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.lora_scheduler import LoraScheduler
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
 from gateway.service import ChatService
 from gateway.settings import LimitSettings
-from gateway.types import Constraint
+from gateway.types import Constraint, LoraSpec
 from tests.unit.fakes import FakeEngine
 
 PRESET = Route(
@@ -156,8 +159,6 @@ async def test_a_consumer_that_leaves_early_aborts_the_engine_request() -> None:
     steps = gen.steps()
     await steps.__anext__()
     await steps.aclose()
-    import asyncio
-
     await asyncio.sleep(0)
     assert engine.aborted == [gen.id]
 
@@ -262,3 +263,45 @@ async def test_forced_tool_calls_and_route_response_formats() -> None:
     )
     assert gen.sampling.constraint is not None and gen.sampling.constraint != Constraint("json_object")
     gen.close()
+
+
+class SlowAbortEngine(FakeEngine):
+    """Aborts wait for ``abort_gate``: the engine has not heard of them yet."""
+
+    def __init__(self) -> None:
+        super().__init__(words=["a"] * 5, delay=0.01)
+        self.abort_gate = asyncio.Event()
+
+    async def abort(self, request_id: str) -> None:
+        await self.abort_gate.wait()
+        await super().abort(request_id)
+
+
+async def test_a_request_that_leaves_gives_up_its_adapters_turn_after_the_abort() -> None:
+    """With one slot, b's adapter gets its turn only once a's abort reached the engine: before
+    that a's request may still run there, and (with a pinned slot) vLLM dies of a batch with
+    more unpinned adapters than free slots. The retired-version lease waits for it too."""
+    engine = SlowAbortEngine()
+    scheduler = LoraScheduler(1, quantum_s=60.0, max_wait_s=60.0)
+    a, b = (
+        Route(name=n, kind="lora", lora=LoraSpec(name=n, lora_id=i, path="/x"))
+        for i, n in ((1, "a"), (2, "b"))
+    )
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"a": a, "b": b}, errors={})
+    catalog = Catalog(lambda ids: table)
+    service = ChatService(engine, LimitSettings(), scheduler)
+    gen_a = await service.chat(chat(model="a"), catalog.acquire("a"))
+    steps = gen_a.steps()
+    await steps.__anext__()
+    gen_b = await service.chat(chat(model="b"), catalog.acquire("b"))
+    task_b = asyncio.create_task(gen_b.collect())
+    await asyncio.sleep(0.05)
+    assert scheduler.queued == 1
+    await steps.aclose()  # a's client leaves mid-stream
+    await asyncio.sleep(0.05)
+    assert scheduler.queued == 1 and [lora.name for *_, lora in engine.calls if lora] == ["a"]
+    assert catalog._in_use.get(1) == 1  # a's version is still held
+    engine.abort_gate.set()
+    await asyncio.wait_for(task_b, 5)
+    assert engine.aborted == [gen_a.id] and [lora.name for *_, lora in engine.calls if lora] == ["a", "b"]
+    assert 1 not in catalog._in_use
