@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 
 Residency = Literal["gpu", "loaded", "not loaded"]
 
+PIN_REFUSED = (
+    "not pinned: pins need limits.lora_scheduling: fair (vLLM batches up to max_loras adapters "
+    "without counting pinned ones; the gateway's scheduler keeps the unpinned ones within the "
+    "slots a pin leaves them, and a batch short of slots kills the engine)"
+)
+
 CPU_CACHE_SHARE = 0.1  # of host memory that the adapters' CPU cache may take when sized here
 
 
@@ -100,6 +106,9 @@ class AdapterSlots:
         # Warm-ups take their turn like any LoRA request: one sent past it could put more
         # adapters in a batch than vLLM has free GPU slots (with a pin, that kills it).
         self.scheduler: LoraScheduler | None = None
+        # False with ``limits.lora_scheduling: off``: pins are then refused (logged), as
+        # nothing would keep unpinned adapters within the slots a pin leaves them.
+        self.may_pin = True
 
     async def register(self, route: Route) -> None:
         """Add, pin and warm one route's adapter; an id already registered is not loaded
@@ -132,6 +141,9 @@ class AdapterSlots:
         """Pin the route's version, or leave it waiting for a slot when ``max_loras - 1`` are
         pinned: during a hot swap the old pinned version holds its slot until it drains."""
         assert route.lora is not None
+        if not self.may_pin:
+            log.warning("adapter %s %s", route.name, PIN_REFUSED)
+            return
         # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
         if not self._room_to_pin():
             self.pins_waiting[route.lora.lora_id] = route

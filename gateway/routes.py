@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from gateway.adapter_slots import AdapterSlots
+from gateway.adapter_slots import PIN_REFUSED, AdapterSlots
 from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import InvalidRequest, ModelNotFound, NotFound, PermissionDenied
 from gateway.metrics import RequestRecord
@@ -299,8 +299,12 @@ def adapter_fields(route: Route, slots: AdapterSlots | None) -> dict[str, Any]:
         "residency": slots.residency(route) if slots is not None else None,
         "pinned": route.pinned,
         "preload": route.preload,
-        "warnings": list(route.warnings),
+        "warnings": [*route.warnings, *_pin_warnings(route, slots)],
     }
+
+
+def _pin_warnings(route: Route, slots: AdapterSlots | None) -> list[str]:
+    return [PIN_REFUSED] if route.pinned and slots is not None and not slots.may_pin else []
 
 
 def _visible_cards(request: Request) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from gateway.adapter_slots import AdapterSlots
+from gateway.adapter_slots import PIN_REFUSED, AdapterSlots
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import EngineFailed
 from gateway.lora_scheduler import LoraScheduler
@@ -340,6 +340,19 @@ async def test_editing_a_pinned_adapter_at_the_pin_limit_keeps_it_pinned(
     await eventually_async(lambda: old not in engine.loras, 5, "the old version gone")
     assert await residency(served, "shout") == {"pinned": True, "residency": "gpu"}
     assert engine.pinned == [old, lora_id(served, "shout")]
+
+
+async def test_pins_are_refused_with_lora_scheduling_off(serve: Serve, tmp_path: Path) -> None:
+    """Nothing keeps unpinned adapters within the slots a pin leaves them: vLLM would die of
+    the first batch short of slots. The route serves, unpinned."""
+    engine = SlotEngine()
+    served = await serve(engine, engine__max_loras=2, limits__lora_scheduling="off")
+    (tmp_path / "adapters.yaml").write_text(PINNED)
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    assert await residency(served, "shout") == {"pinned": True, "residency": "loaded"}
+    assert engine.pinned == []
+    card = (await served.http.get("/v1/models/shout")).json()
+    assert card["warnings"] == [PIN_REFUSED]
 
 
 async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> None:
