@@ -118,7 +118,11 @@ class AdapterSlots:
         fresh = lora.lora_id not in self.registered
         if fresh:
             t0 = time.perf_counter()
-            await self.engine.add_lora(lora)
+            try:
+                await self.engine.add_lora(lora)
+            except GatewayError:
+                self._discard_copy(Path(lora.path))  # refused: no version will remove it
+                raise
             self.metrics.adapter_load_seconds.labels(route.name).observe(time.perf_counter() - t0)
             self.metrics.adapter_loads.labels(route.name).inc()
             self.registered.add(lora.lora_id)
@@ -214,11 +218,16 @@ class AdapterSlots:
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
         path = self.paths.pop(lora_id, None)
-        # A pinned and an unpinned version of the same files share one copy.
-        if path is not None and self.snapshots is not None and path not in self.paths.values():
-            self.snapshots.discard(path)
+        if path is not None:
+            self._discard_copy(path)
         if was_pinned:
             await self._pin_next_waiting()
+
+    def _discard_copy(self, path: Path) -> None:
+        """Remove an adapter copy no registered version reads (a pinned and an unpinned
+        version of the same files share one)."""
+        if self.snapshots is not None and path not in self.paths.values():
+            self.snapshots.discard(path)
 
     async def refresh(self) -> None:
         self.resident = set(await self.engine.list_loras())

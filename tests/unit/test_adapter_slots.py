@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.adapter_slots import PIN_REFUSED, AdapterSlots
@@ -211,6 +212,27 @@ async def test_a_removed_version_takes_its_copy_along(tmp_path: Path) -> None:
     await s.register(route)
     await s.remove(7)
     assert not copy.exists() and engine.loras == set()
+    snapshots.close()
+
+
+async def test_a_refused_adapter_takes_its_copy_along(tmp_path: Path) -> None:
+    engine = SlotEngine()
+    snapshots = SnapshotDir(tmp_path)
+    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4, snapshots)  # type: ignore[arg-type]
+    live, refused = snapshots.path / ("ab" * 32), snapshots.path / ("cd" * 32)
+    live.mkdir()
+    refused.mkdir()
+    await s.register(Route(name="shout", kind="lora", lora=LoraSpec("shout", 7, str(live)), digest="ab" * 32))
+
+    async def refuse(lora: LoraSpec) -> None:
+        raise EngineFailed("the engine refused the adapter")
+
+    engine.add_lora = refuse  # type: ignore[method-assign]
+    for name, lora_id, copy in (("bad", 8, refused), ("shout-pinned", 9, live)):
+        route = Route(name=name, kind="lora", lora=LoraSpec(name, lora_id, str(copy)), digest="x" * 64)
+        with pytest.raises(EngineFailed):
+            await s.register(route)
+    assert not refused.exists() and live.exists()  # the live version still reads its copy
     snapshots.close()
 
 
