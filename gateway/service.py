@@ -435,7 +435,7 @@ def _sampling(
         max_tokens=max_tokens,
         temperature=_pick(request.temperature, defaults.temperature, 1.0),
         top_p=_pick(request.top_p, defaults.top_p, 1.0),
-        top_k=request.top_k or 0,
+        top_k=max(request.top_k or 0, 0),  # -1, as 0, disables top-k (vLLM's convention)
         n=request.n,
         stop=request.stop_list,
         seed=request.seed,

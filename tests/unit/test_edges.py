@@ -375,6 +375,19 @@ async def test_vllm_sampling_extensions_reach_the_engine() -> None:
     assert refused(completion, stop_token_ids=list(range(65))) == "stop_token_ids"
 
 
+async def test_top_k_minus_one_disables_top_k_as_in_vllm() -> None:
+    # vLLM's SamplingParams: "Set to 0 (or -1) to consider all tokens"; its server takes -1.
+    svc, catalog = service(FakeEngine())
+    gen = await svc.complete(completion(top_k=-1), catalog.acquire("base"))
+    assert gen.sampling.top_k == 0
+    gen.close()
+    gen = await svc.chat(chat(top_k=-1), catalog.acquire("base"))
+    assert gen.sampling.top_k == 0
+    gen.close()
+    assert refused(chat, top_k=-2) == "top_k"
+    assert refused(completion, top_k=-2) == "top_k"
+
+
 async def test_echo_with_max_tokens_0_returns_only_the_prompt() -> None:
     engine = LogprobEngine(words=["a", "b"])
     svc, catalog = service(engine)

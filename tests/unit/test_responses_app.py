@@ -290,7 +290,7 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"n": 2}, "n"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),
         ({"input": "x" * 2000}, "input"),
         ({"input": []}, "input"),
