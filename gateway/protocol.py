@@ -132,7 +132,8 @@ class SamplingFields(_Request):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, ge=1e-30, le=2.0)  # logit / it: finite in float32
+    # vLLM's server takes any value above 0; logit / it and logit * it stay finite in float32
+    repetition_penalty: float | None = Field(None, ge=1e-30, le=1e30)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     # vLLM's: drop tokens below min_p x the top token's probability; stop on these ids;

@@ -256,6 +256,23 @@ async def test_a_repetition_penalty_the_sampler_cannot_divide_by_is_a_400(serve:
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+async def test_a_repetition_penalty_above_2_is_taken_as_vllm_takes_it(serve: Serve, path: str) -> None:
+    # vLLM's server takes any repetition_penalty above 0 (OpenAI has none): 2.5 and 10 were 400s.
+    served = await serve()
+    for penalty in (2.5, 10, 1e30):
+        body = body_for(path, repetition_penalty=penalty)
+        if path == "/v1/responses":
+            body = {"model": "base", "input": "Hi", "repetition_penalty": penalty}
+        r = await served.http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert served.engine.calls[-1][1].repetition_penalty == penalty
+    # beyond 1e30, logit * penalty may overflow float32 (0 * inf is NaN)
+    body["repetition_penalty"] = 1e31
+    r = await served.http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+
+
 async def test_top_logprobs_over_the_limit_names_top_logprobs(serve: Serve) -> None:
     served = await serve()
     r = await served.http.post(
