@@ -222,8 +222,17 @@ class ChatService:
             shape = _constraint(request, route, constraint, "text")
             shape = (_or_calls(plan, route, *shape), shape[1])
         limit, logprobs = request.token_limit, request.num_logprobs
+        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         gen = self._start(
-            request, lease, prompt_ids, limit, logprobs, "chatcmpl", shape, logprobs_param="top_logprobs"
+            request,
+            lease,
+            prompt_ids,
+            limit,
+            logprobs,
+            "chatcmpl",
+            shape,
+            logprobs_param="top_logprobs",
+            limit_param=limit_param,
         )
         gen.tools = plan
         return gen
@@ -328,6 +337,7 @@ class ChatService:
         more_prompts: list[list[int]] | None = None,
         echo: list[Echo] | None = None,
         logprobs_param: str = "logprobs",
+        limit_param: str = "max_tokens",
     ) -> Generation:
         limits = self._limits
         if request.n > limits.max_n:
@@ -352,6 +362,7 @@ class ChatService:
             request.min_tokens,
             lease,
             "messages" if id_prefix == "chatcmpl" else "prompt",
+            limit_param,
         )
         constraint, constraint_param = shape
         sampling = _sampling(request, lease.route.defaults, max_tokens, logprobs, constraint)
@@ -375,11 +386,18 @@ class ChatService:
         )
 
     def _token_budget(
-        self, prompt_len: int, max_tokens: int | None, min_tokens: int, lease: Lease, prompt_param: str
+        self,
+        prompt_len: int,
+        max_tokens: int | None,
+        min_tokens: int,
+        lease: Lease,
+        prompt_param: str,
+        limit_param: str = "max_tokens",
     ) -> int:
         """``max_tokens``, or the route's default if None (raised to ``min_tokens`` if that
         is more), checked against the context left. An explicit ``max_tokens`` below
-        ``min_tokens`` is a 400, as in vLLM."""
+        ``min_tokens`` is a 400, as in vLLM. ``limit_param``: the field the limit came from
+        (chat's ``max_completion_tokens`` or ``max_tokens``), named in those errors."""
         context = self._engine.max_model_len
         room = context - prompt_len
         if room <= 0:
@@ -390,14 +408,15 @@ class ChatService:
             )
         if max_tokens is not None and max_tokens < min_tokens:
             raise InvalidRequest(
-                f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", param="min_tokens"
+                f"min_tokens must be at most {limit_param} ({max_tokens}), got {min_tokens}",
+                param="min_tokens",
             )
         if max_tokens is not None and max_tokens > room:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {context} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion).",
-                param="max_tokens",
+                param=limit_param,
             )
         if max_tokens is None:
             default = min(lease.route.defaults.max_tokens or self._limits.default_max_tokens, room)

@@ -91,6 +91,17 @@ async def test_max_tokens_beyond_context_is_context_length_exceeded() -> None:
     assert info.value.param == "max_tokens"
 
 
+async def test_limit_errors_name_max_completion_tokens_when_that_was_sent() -> None:
+    # The field the client sent, as vLLM names it: "max_tokens" sent nothing here.
+    service, catalog, _ = setup(FakeEngine(max_model_len=40))
+    with pytest.raises(ContextLengthExceeded) as info:
+        await service.chat(chat(max_completion_tokens=100), catalog.acquire("concise"))
+    assert info.value.param == "max_completion_tokens"
+    with pytest.raises(InvalidRequest) as refused:
+        await service.chat(chat(max_completion_tokens=3, min_tokens=5), catalog.acquire("concise"))
+    assert refused.value.param == "min_tokens" and "max_completion_tokens (3)" in refused.value.message
+
+
 async def test_default_max_tokens_fits_the_room_left() -> None:
     service, catalog, engine = setup(FakeEngine(max_model_len=30))
     req = chat(model="base-model")
