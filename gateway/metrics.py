@@ -35,6 +35,7 @@ class RequestRecord:
     first_token_at: float | None = None
     adapter_state: str | None = None  # "cold" / "warm" for a LoRA route (AdapterSlots.start_state)
     disconnected: bool = False
+    error: str | None = None  # why a stream that had sent its 200 ended with an error event
     prompt: Any = None
     generation: Any = None  # service.Generation, once the request reached the engine
 
@@ -50,6 +51,11 @@ class RequestRecord:
             self.prompt_tokens = gen.prompt_tokens
             self.completion_tokens = gen.completion_tokens
             self.first_token_at = gen.first_token_at
+            if gen.error is not None and not self.disconnected:
+                # The status line said 200, but the stream ended with an error event: count
+                # and log the request as that error, not as a success.
+                self.status = gen.error.status_code
+                self.error = gen.error.message
 
     def log_fields(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -67,6 +73,8 @@ class RequestRecord:
             "duration_ms": round((now - self.started) * 1000, 2),
             "client_disconnected": self.disconnected,
         }
+        if self.error is not None:
+            fields["error"] = self.error
         if self.prompt is not None:
             fields["prompt"] = self.prompt
         return fields

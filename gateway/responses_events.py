@@ -296,8 +296,10 @@ async def stream_events(
             await save(response)
         yield encoder.end(response)
     except GatewayError as exc:
+        gen.error = exc
         yield encoder.error(exc)
     except Exception:
         # The status line went out long ago: the stream must still end with an event.
         log.exception("response stream %s failed", gen.id)
-        yield encoder.error(EngineFailed("internal error while streaming"))
+        gen.error = EngineFailed("internal error while streaming")
+        yield encoder.error(gen.error)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from gateway.batch import Echo, echo_steps, merge_steps
 from gateway.catalog import Lease, Route
 from gateway.catalog_file import SamplingDefaults
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest
 from gateway.lora_scheduler import Caller, LoraScheduler, Ticket
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -98,6 +98,9 @@ class Generation:
         self.num_choices = sampling.n * (1 + len(more_prompts))
         self.completion_tokens = 0
         self.first_token_at: float | None = None
+        # The error a stream ended with after its 200 went out (set by the stream encoders):
+        # the access log and the metrics count the request under this error's status.
+        self.error: GatewayError | None = None
         self.on_gap: Callable[[float], None] | None = None  # inter-step latency, for metrics
         self._engine = engine
         self._lease = lease

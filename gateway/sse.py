@@ -172,11 +172,13 @@ async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterato
                     yield data
         yield encoder.end(gen.prompt_tokens, gen.completion_tokens)
     except GatewayError as exc:
+        gen.error = exc
         yield encoder.error(exc)
     except Exception:
         # The status line went out long ago: the stream must still end with an error event.
         log.exception("stream %s failed", gen.id)
-        yield encoder.error(EngineFailed("internal error while streaming"))
+        gen.error = EngineFailed("internal error while streaming")
+        yield encoder.error(gen.error)
 
 
 # -- logprobs and whole (non-streamed) responses ---------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.errors import EngineFailed
 from tests.helpers import assert_openai_error, chat_body, eventually_async, still_serves_async
 from tests.unit.conftest import (
     ADMIN,
@@ -359,3 +360,40 @@ async def test_a_client_leaving_during_its_upload_is_499_not_an_error(
     labels = {"route": "unknown", "status": "499", "stream": "false"}
     assert served.gw.metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
     assert served.gw.admission.inflight == 0
+
+
+class FailsMidStream(FakeEngine):
+    """Two tokens, then the engine fails the request (after the stream's 200 went out)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        steps = 0
+        async for step in super().generate(*args, **kwargs):
+            if steps == 2:
+                raise EngineFailed("the engine failed to process the request")
+            steps += 1
+            yield step
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat_body("base", stream=True)),
+        ("/chat", {"question": "Hi"}),
+        ("/v1/responses", {"model": "base", "input": "Hi", "stream": True}),
+    ],
+)
+async def test_a_stream_that_fails_after_its_200_is_counted_and_logged_as_the_error(
+    serve: Serve, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any]
+) -> None:
+    served = await serve(FailsMidStream(words=["a"] * 10))
+    with caplog.at_level(logging.INFO):
+        r = await served.http.post(path, json=body)
+    assert r.status_code == 200 and "error" in r.text.rsplit("\n\n", 2)[-2]
+    access = [json.loads(m.getMessage()) for m in caplog.records if m.name == "gateway.access"]
+    assert [(a["status"], a["error"]) for a in access] == [(500, "the engine failed to process the request")]
+    registry = served.gw.metrics.registry
+    for status, count in (("500", 1), ("200", None)):
+        labels = {"route": BASE, "status": status, "stream": "true"}
+        assert registry.get_sample_value("gateway_requests_total", labels) == count, status
+    # not a success's latency
+    assert registry.get_sample_value("gateway_request_duration_seconds_count", {"route": BASE}) is None
