@@ -46,6 +46,8 @@ class RequestRecord:
         self.stream = stream
 
     def finish(self) -> None:
+        if self.disconnected:  # however far it got, even mid-stream after a 200 (README: 499)
+            self.status = 499
         gen = self.generation
         if gen is not None:
             self.prompt_tokens = gen.prompt_tokens

@@ -397,3 +397,42 @@ async def test_a_stream_that_fails_after_its_200_is_counted_and_logged_as_the_er
         assert registry.get_sample_value("gateway_requests_total", labels) == count, status
     # not a success's latency
     assert registry.get_sample_value("gateway_request_duration_seconds_count", {"route": BASE}) is None
+
+
+async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_response(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 200 went out with the stream's head; the client left before its end: 499 in
+    the log and the metrics, as a non-streamed request's client leaving is, not a success."""
+    served = await serve(FakeEngine(words=["a"] * 50, delay=0.01))
+    body = json.dumps(chat_body("base", stream=True)).encode()
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
+    gone = asyncio.Event()
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    chunks = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal chunks
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks += 1
+            if chunks == 3:
+                gone.set()
+
+    with caplog.at_level(logging.INFO):
+        await served.app(http_scope("/v1/chat/completions", headers), receive, send)
+    access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
+    registry = served.gw.metrics.registry
+    for status, count in (("499", 1), ("200", None)):
+        labels = {"route": BASE, "status": status, "stream": "true"}
+        assert registry.get_sample_value("gateway_requests_total", labels) == count, status
+    assert registry.get_sample_value("gateway_request_duration_seconds_count", {"route": BASE}) is None
