@@ -224,6 +224,9 @@ async def _generate(
         require_model(model, task)
     principal = _principal(request)
     lease = _gateway(request).lease(principal, model, task)
+    record: RequestRecord | None = request.scope.get("state", {}).get("record")
+    if record is not None:  # a request refused from here on (400) counts under its route
+        record.route, record.digest = lease.route.name, lease.route.digest
     try:
         gen = await start(lease)
     except BaseException:

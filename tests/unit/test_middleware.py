@@ -436,3 +436,21 @@ async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_respo
         labels = {"route": BASE, "status": status, "stream": "true"}
         assert registry.get_sample_value("gateway_requests_total", labels) == count, status
     assert registry.get_sample_value("gateway_request_duration_seconds_count", {"route": BASE}) is None
+
+
+async def test_a_request_refused_after_routing_counts_under_its_route(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 400 the route's request earned (n, context length, house stream limits) is that
+    route's, not ``unknown`` (kept for requests no route was found for)."""
+    served = await serve()
+    with caplog.at_level(logging.INFO):
+        for body in (chat_body("loud", n=99), chat_body("base", max_tokens=100_000)):
+            assert_openai_error(await served.http.post("/v1/chat/completions", json=body), 400)
+        assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("nope")), 404)
+    access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(a["route"], a["status"]) for a in access] == [("shout", 400), (BASE, 400), (None, 404)]
+    registry = served.gw.metrics.registry
+    for route, status in (("shout", "400"), (BASE, "400"), ("unknown", "404")):
+        labels = {"route": route, "status": status, "stream": "false"}
+        assert registry.get_sample_value("gateway_requests_total", labels) == 1, labels
