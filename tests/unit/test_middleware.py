@@ -454,3 +454,14 @@ async def test_a_request_refused_after_routing_counts_under_its_route(
     for route, status in (("shout", "400"), (BASE, "400"), ("unknown", "404")):
         labels = {"route": route, "status": status, "stream": "false"}
         assert registry.get_sample_value("gateway_requests_total", labels) == 1, labels
+
+
+async def test_every_status_the_gateway_sends_on_inference_paths_has_its_own_label(serve: Serve) -> None:
+    """415 (README's status list) was counted as status "other"."""
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions", content=json.dumps(chat_body("base")), headers={"content-type": "text/plain"}
+    )
+    assert_openai_error(r, 415)
+    labels = {"route": "unknown", "status": "415", "stream": "false"}
+    assert served.gw.metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
