@@ -28,6 +28,7 @@ class RequestRecord:
     started: float = field(default_factory=time.monotonic)
     route: str | None = None
     digest: str | None = None
+    response_id: str | None = None  # the ``id`` in the response body (``chatcmpl-...``, ``resp_...``)
     stream: bool = False
     status: int = 0
     prompt_tokens: int = 0
@@ -41,6 +42,7 @@ class RequestRecord:
 
     def attach(self, gen: Any, stream: bool) -> None:
         self.generation = gen
+        self.response_id = gen.id
         self.route = gen.route.name
         self.digest = gen.route.digest
         self.stream = stream
@@ -63,6 +65,7 @@ class RequestRecord:
         now = time.monotonic()
         fields: dict[str, Any] = {
             "request_id": self.request_id,
+            "response_id": self.response_id,
             "method": self.method,
             "path": self.path,
             "route": self.route,

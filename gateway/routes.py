@@ -146,10 +146,14 @@ async def create_response(request: Request) -> Response:
 
     if body.stream:
         record = _track(request, gen, True, prompt)
+        if record is not None:
+            record.response_id = draft.id
         encoder = ResponseEventEncoder(draft) if gen.tools.mode == "none" else ResponseToolEncoder(draft)
         events = stream_events(gen, encoder, save if body.store else None)
         return SSEResponse(events, route_headers(gen), record, gen.close)
     record = _track(request, gen, False, prompt)
+    if record is not None:
+        record.response_id = draft.id
     result = await collect_unless_gone(request, gen)
     if result is None:
         if record is not None:

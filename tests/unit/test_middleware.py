@@ -465,3 +465,22 @@ async def test_every_status_the_gateway_sends_on_inference_paths_has_its_own_lab
     assert_openai_error(r, 415)
     labels = {"route": "unknown", "status": "415", "stream": "false"}
     assert served.gw.metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat_body("base")),
+        ("/v1/completions", {"model": "base", "prompt": "Hi"}),
+        ("/v1/responses", {"model": "base", "input": "Hi"}),
+    ],
+)
+async def test_the_access_log_names_the_id_the_response_body_carries(
+    serve: Serve, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any]
+) -> None:
+    """A client reports the body's id (chatcmpl-..., resp_...); the log line must be found by it."""
+    served = await serve()
+    with caplog.at_level(logging.INFO):
+        r = await served.http.post(path, json=body, headers={"x-request-id": "client-1"})
+    access = [json.loads(m.getMessage()) for m in caplog.records if m.name == "gateway.access"]
+    assert [(a["request_id"], a["response_id"]) for a in access] == [("client-1", r.json()["id"])]
