@@ -122,7 +122,10 @@ class Generation:
 
     async def steps(self) -> AsyncGenerator[StepOutput, None]:
         finished = started = False
-        last = 0.0
+        # When each prompt's engine stream last stepped: with several prompts their steps
+        # interleave, and a gap between two streams' steps is no stream's inter-token latency.
+        last: dict[int, float] = {}
+        n = self.sampling.n
         ticket: Ticket | None = None
         try:
             if self._scheduler is not None:
@@ -132,9 +135,10 @@ class Generation:
                 now = time.monotonic()
                 if self.first_token_at is None:
                     self.first_token_at = now
-                elif self.on_gap is not None:
-                    self.on_gap(now - last)
-                last = now
+                for prompt in {chunk.index // n for chunk in step.chunks}:
+                    if prompt in last and self.on_gap is not None:
+                        self.on_gap(now - last[prompt])
+                    last[prompt] = now
                 for chunk in step.chunks:
                     self.completion_tokens += chunk.num_tokens
                 finished = step.finished

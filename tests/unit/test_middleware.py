@@ -484,3 +484,21 @@ async def test_the_access_log_names_the_id_the_response_body_carries(
         r = await served.http.post(path, json=body, headers={"x-request-id": "client-1"})
     access = [json.loads(m.getMessage()) for m in caplog.records if m.name == "gateway.access"]
     assert [(a["request_id"], a["response_id"]) for a in access] == [("client-1", r.json()["id"])]
+
+
+@pytest.mark.parametrize(("prompts", "n"), [(["ab"], 2), (["ab", "cd", "ef"], 1), (["ab", "cd"], 2)])
+async def test_inter_token_latency_is_measured_per_prompt_stream(
+    serve: Serve, prompts: list[str], n: int
+) -> None:
+    """Several prompts run as one engine stream each; their steps interleave. The gap
+    between two streams' steps is no stream's inter-token latency: it halved (or worse)
+    the reported ITL of a request with several prompts."""
+    served = await serve(FakeEngine(words=["a"] * 5, delay=0.05))
+    body = {"model": "base", "prompt": prompts, "max_tokens": 5, "n": n, "temperature": 1}
+    assert (await served.http.post("/v1/completions", json=body)).status_code == 200
+    registry = served.gw.metrics.registry
+    route = {"route": BASE}
+    # 5 steps per prompt stream: 4 gaps each, each at least the engine's 50 ms per token
+    assert registry.get_sample_value("gateway_inter_token_latency_seconds_count", route) == 4 * len(prompts)
+    fast = registry.get_sample_value("gateway_inter_token_latency_seconds_bucket", {**route, "le": "0.04"})
+    assert fast == 0
