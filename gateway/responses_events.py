@@ -300,6 +300,6 @@ async def stream_events(
         yield encoder.error(exc)
     except Exception:
         # The status line went out long ago: the stream must still end with an event.
-        log.exception("response stream %s failed", gen.id)
+        log.exception("response stream %s (engine request %s) failed", encoder.draft.id, gen.id)
         gen.error = EngineFailed("internal error while streaming")
         yield encoder.error(gen.error)
