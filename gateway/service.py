@@ -122,9 +122,10 @@ class Generation:
 
     async def steps(self) -> AsyncGenerator[StepOutput, None]:
         finished = started = False
-        # When each prompt's engine stream last stepped: with several prompts their steps
-        # interleave, and a gap between two streams' steps is no stream's inter-token latency.
-        last: dict[int, float] = {}
+        last = 0.0  # when the engine stream last stepped (one prompt: the hot path)
+        # With several prompts their streams' steps interleave, and a gap between two streams'
+        # steps is no stream's inter-token latency: each prompt's last step, by prompt.
+        lasts: dict[int, float] | None = {} if self._more_prompts else None
         n = self.sampling.n
         ticket: Ticket | None = None
         try:
@@ -133,12 +134,16 @@ class Generation:
             started = True
             async for step in self._engine_steps():
                 now = time.monotonic()
+                if lasts is not None:
+                    for prompt in {chunk.index // n for chunk in step.chunks}:
+                        if prompt in lasts and self.on_gap is not None:
+                            self.on_gap(now - lasts[prompt])
+                        lasts[prompt] = now
+                elif self.first_token_at is not None and self.on_gap is not None:
+                    self.on_gap(now - last)
                 if self.first_token_at is None:
                     self.first_token_at = now
-                for prompt in {chunk.index // n for chunk in step.chunks}:
-                    if prompt in last and self.on_gap is not None:
-                        self.on_gap(now - last[prompt])
-                    last[prompt] = now
+                last = now
                 for chunk in step.chunks:
                     self.completion_tokens += chunk.num_tokens
                 finished = step.finished
