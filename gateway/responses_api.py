@@ -39,6 +39,7 @@ from pydantic import (
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest
+from gateway.structured import schema_size_problem
 from gateway.types import Constraint
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -313,6 +314,9 @@ def constraint(fmt: TextFormat) -> Constraint | None:
             raise InvalidRequest("text.format.schema is required for json_schema", param="text.format.schema")
         if not fmt.name:
             raise InvalidRequest("text.format.name is required for json_schema", param="text.format.name")
+        too_big = schema_size_problem(fmt.schema_)
+        if too_big is not None:
+            raise InvalidRequest(f"invalid JSON schema: {too_big}", param="text.format.schema")
         try:
             Draft202012Validator.check_schema(fmt.schema_)
         except SchemaError as exc:

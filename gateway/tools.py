@@ -40,7 +40,7 @@ from pydantic import (
 )
 
 from gateway.errors import InvalidRequest
-from gateway.structured import schema_problem
+from gateway.structured import schema_problem, schema_size_problem
 from gateway.types import Constraint
 
 if TYPE_CHECKING:
@@ -166,6 +166,10 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
 
 
 def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
+    # Checked and compiled together (``required`` is one grammar of them all): bounded together.
+    too_big = schema_size_problem([fn.parameters for fn in tools if fn.parameters is not None])
+    if too_big is not None:
+        raise InvalidRequest(f"tools: the functions' parameters together: {too_big}", param="tools")
     seen: set[str] = set()
     for i, fn in enumerate(tools):
         if fn.name in seen:

@@ -203,7 +203,7 @@ def test_bad_and_deep_schemas_are_refused_every_time(repeat: int) -> None:
             with pytest.raises(InvalidRequest, match=words):
                 check_schema(schema, "response_format")
     deep: dict[str, Any] = {}
-    for _ in range(5000):
+    for _ in range(3000):  # deeper than the recursion limit, within the size bound
         deep = {"not": deep}
     with pytest.raises(InvalidRequest, match="nested too deeply"):
         check_schema(deep, "response_format")
@@ -413,3 +413,43 @@ def test_pydantic_and_openai_sdk_schemas_pass() -> None:
     assert "oneOf" in json.dumps(schema)
     assert xgrammar_gap(schema) is None
     assert xgrammar_gap(to_strict_json_schema(Owner)) is None
+
+
+def _optional(count: int, required: int = 0) -> dict[str, Any]:
+    properties = {f"p{i}": {"type": "string", "maxLength": 5} for i in range(count + required)}
+    return {"type": "object", "properties": properties, "required": [f"p{i}" for i in range(required)]}
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        # 20,000 optional properties: 14 minutes of the engine's only compile thread, then 9.5 GB
+        (_optional(20_000), "an object has 20000 properties that may be left out"),
+        (_optional(129), "an object has 129 properties that may be left out"),
+        ({"type": "object", "properties": {"a": _optional(100), "b": _optional(100)}}, "too costly"),
+        (
+            {
+                "type": "object",
+                "properties": {f"p{i}": {"type": "integer"} for i in range(5000)},
+                "required": [],
+            },
+            "too costly",
+        ),
+        ({"type": "array", "items": [{"type": "integer"}] * 5001}, "more than 5000 schema objects"),
+    ],
+)
+def test_schemas_too_costly_to_check_or_compile_are_400s(schema: dict[str, Any], words: str) -> None:
+    for fmt in ({"response_format": _schema_format(schema)}, {"structured_outputs": {"json": schema}}):
+        with pytest.raises(InvalidRequest) as info:
+            request_constraint(fmt)
+        assert info.value.param == next(iter(fmt))
+        assert words in info.value.message
+
+
+def test_large_schemas_within_the_bounds_pass() -> None:
+    for schema in (
+        _optional(128),
+        _optional(90, required=3000),
+        {"type": "object", "properties": {"a": _optional(90)}},
+    ):
+        assert check_schema(schema, "response_format") is schema

@@ -259,7 +259,7 @@ def test_tool_schemas_are_checked_once_and_bad_ones_every_time() -> None:
         ):
             plan_tools(request(tools=[WEATHER, {"type": "function", "function": bad}]))
     deep: dict[str, Any] = {}
-    for _ in range(5000):
+    for _ in range(3000):  # deeper than the recursion limit, within the size bound
         deep = {"not": deep}
     with pytest.raises(InvalidRequest, match="nested too deeply"):
         plan_tools(request(tools=[{"type": "function", "function": {"name": "d", "parameters": deep}}]))
@@ -903,3 +903,19 @@ def test_auto_tools_and_a_format_that_cannot_hold_a_call() -> None:
         headers={"authorization": f"Bearer {client.api_key}"},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+
+
+def test_tools_too_costly_together_are_400() -> None:
+    """Each function is small, but ``required`` compiles them into one grammar."""
+    properties = {f"p{i}": {"type": "string"} for i in range(40)}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"f{t}", "parameters": {"type": "object", "properties": properties}},
+        }
+        for t in range(20)
+    ]
+    with pytest.raises(InvalidRequest, match="parameters together: the schema is too costly") as info:
+        plan_tools(request(tools=tools, tool_choice="required"))
+    assert info.value.param == "tools"
+    assert plan_tools(request(tools=tools[:10], tool_choice="required")).mode == "required"
