@@ -184,11 +184,11 @@ MAX_SCHEMA_NODES = 5000
 MAX_OPTIONAL_PROPERTIES = 128  # in one object; more objects share the square of it
 
 
-def schema_size_problem(schema: Any) -> str | None:
-    """Why ``schema`` (or a list of schemas, compiled together) is too costly to check and
-    compile, or None: more than ``MAX_SCHEMA_NODES`` schema objects, or optional properties
-    whose squares sum to more than ``MAX_OPTIONAL_PROPERTIES`` squared. Iterative, so any
-    nesting is fine."""
+def schema_size_problem(schema: Any, *, compiled: bool = True) -> str | None:
+    """Why ``schema`` (or a list of schemas, checked together) is too costly to check and
+    compile, or None: more than ``MAX_SCHEMA_NODES`` schema objects, or (with ``compiled``:
+    the schemas are compiled together) optional properties whose squares sum to more than
+    ``MAX_OPTIONAL_PROPERTIES`` squared. Iterative, so any nesting is fine."""
     nodes = cost = worst = 0
     stack = [schema]
     while stack:
@@ -202,7 +202,7 @@ def schema_size_problem(schema: Any) -> str | None:
         if nodes > MAX_SCHEMA_NODES:
             return f"the schema is too large: more than {MAX_SCHEMA_NODES} schema objects"
         properties, required = node.get("properties"), node.get("required")
-        if isinstance(properties, dict):
+        if compiled and isinstance(properties, dict):
             named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
             optional = sum(1 for name in properties if name not in named)
             cost, worst = cost + optional * optional, max(worst, optional)

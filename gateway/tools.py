@@ -144,7 +144,7 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
     choice = request.tool_choice
     if choice is not None and not tools:
         raise InvalidRequest("'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
-    _check_tools(tools)
+    _check_tools(tools, compiled_together=choice == "required")
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -165,9 +165,11 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
     return ToolPlan("named", tools, named=fn.name, constraint=Constraint("json", arguments_schema(fn)))
 
 
-def _check_tools(tools: tuple[FunctionDef, ...]) -> None:
-    # Checked and compiled together (``required`` is one grammar of them all): bounded together.
-    too_big = schema_size_problem([fn.parameters for fn in tools if fn.parameters is not None])
+def _check_tools(tools: tuple[FunctionDef, ...], *, compiled_together: bool) -> None:
+    # Checked together (the meta-schema check's cost), and under ``required`` compiled as one
+    # grammar: bounded together, optional properties too only where they are compiled.
+    schemas = [fn.parameters for fn in tools if fn.parameters is not None]
+    too_big = schema_size_problem(schemas, compiled=compiled_together)
     if too_big is not None:
         raise InvalidRequest(f"tools: the functions' parameters together: {too_big}", param="tools")
     seen: set[str] = set()

@@ -919,3 +919,5 @@ def test_tools_too_costly_together_are_400() -> None:
         plan_tools(request(tools=tools, tool_choice="required"))
     assert info.value.param == "tools"
     assert plan_tools(request(tools=tools[:10], tool_choice="required")).mode == "required"
+    # Under auto (and none) no grammar is made of them: only the per-function bounds apply.
+    assert plan_tools(request(tools=tools)).mode == "auto"
