@@ -105,6 +105,12 @@ class MethodNotAllowed(GatewayError):
     default_code = "method_not_allowed"
 
 
+class RequestTimeout(GatewayError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class PayloadTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"

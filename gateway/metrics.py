@@ -200,4 +200,4 @@ class GatewayMetrics:
         return generate_latest(self.registry) + generate_latest(REGISTRY)
 
 
-_STATUSES = {200, 400, 401, 403, 404, 405, 413, 415, 429, 431, 499, 500, 503}
+_STATUSES = {200, 400, 401, 403, 404, 405, 408, 413, 415, 429, 431, 499, 500, 503}

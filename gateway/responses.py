@@ -1,6 +1,6 @@
 """Transport helpers for the handlers: bodies in, responses and errors out.
 
-- ``read_json``: a bounded body, parsed and validated into a request model (400/413).
+- ``read_json``: a bounded body, parsed and validated into a request model (400/408/413).
 - ``SSEResponse``: a stream that stops the generation as soon as the client leaves.
 - ``collect_unless_gone``: a whole response, aborted if the client leaves first.
 - ``render_error`` / ``render_http_error``: every error as OpenAI's error JSON.
@@ -27,19 +27,24 @@ from gateway.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     UnsupportedMediaType,
 )
 from gateway.metrics import RequestRecord
 from gateway.protocol import invalid_request
 from gateway.service import Collected, Generation
+from gateway.settings import LimitSettings
 
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read_json(request: Request, model: type[M], max_bytes: int, any_type: bool = False) -> M:
+async def read_json(request: Request, model: type[M], limits: LimitSettings, any_type: bool = False) -> M:
     """The body as ``model``. A declared Content-Type other than JSON is refused (415), as
     vLLM does: a form-encoded body is not JSON. ``any_type`` accepts any (house ``/chat``,
-    whose clients post with ``curl -d``)."""
+    whose clients post with ``curl -d``). The whole body must arrive within
+    ``limits.body_timeout_s`` (408): the request holds an admission slot meanwhile, and a
+    client that stalls its upload would keep it for good (uvicorn has no body timeout)."""
+    max_bytes = limits.max_body_bytes
     ctype = request.headers.get("content-type")
     if ctype is not None and not any_type and not _is_json(ctype):
         raise UnsupportedMediaType(f"Content-Type must be application/json, not '{ctype[:80]}'")
@@ -47,10 +52,16 @@ async def read_json(request: Request, model: type[M], max_bytes: int, any_type: 
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > max_bytes:
-            raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > max_bytes:
+                    raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {limits.body_timeout_s:g} s (limits.body_timeout_s)"
+        ) from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting

@@ -70,7 +70,7 @@ def _principal(request: Request) -> Principal | None:
 # -- inference ----------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request, ChatCompletionRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, ChatCompletionRequest, gw.settings.limits)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.chat(body, lease))
     house = request.headers.get("x-stream-format", "").lower() == "house"
     if house:
@@ -106,7 +106,7 @@ def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
 
 async def completions(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request, CompletionRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, CompletionRequest, gw.settings.limits)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.complete(body, lease))
     if body.stream:
         return _stream(request, gen, OpenAICompletionEncoder(gen, body.include_usage), lambda: body.prompt)
@@ -115,7 +115,7 @@ async def completions(request: Request) -> Response:
 
 async def house_chat(request: Request) -> Response:
     gw = _gateway(request)
-    body = await read_json(request, HouseChatRequest, gw.settings.limits.max_body_bytes, any_type=True)
+    body = await read_json(request, HouseChatRequest, gw.settings.limits, any_type=True)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease))
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
 
@@ -123,7 +123,7 @@ async def house_chat(request: Request) -> Response:
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses`` on the chat path; ``store`` keeps it for its key only."""
     gw = _gateway(request)
-    body = await read_json(request, ResponsesRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, ResponsesRequest, gw.settings.limits)
     owner = _owner(request)
     turn, history = input_messages(body.input), []
     if body.previous_response_id is not None:

@@ -142,6 +142,11 @@ class AuthSettings(_Section):
 
 class LimitSettings(_Section):
     max_body_bytes: int = Field(2 * 1024 * 1024, gt=0)
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="the whole request body must arrive within it; else 408 (a stalled upload holds a slot)",
+    )
     max_n: int = Field(8, ge=1)
     max_stop: int = Field(8, ge=0)
     max_logprobs: int = Field(20, ge=0)

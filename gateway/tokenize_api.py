@@ -59,7 +59,7 @@ def _principal(request: Request) -> Any:
 
 async def tokenize(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    body = await read_json(request, TokenizeRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, TokenizeRequest, gw.settings.limits)
     lease = gw.lease(_principal(request), body.model, body.task)
     try:
         if body.messages is not None:
@@ -83,7 +83,7 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    body = await read_json(request, DetokenizeRequest, gw.settings.limits.max_body_bytes)
+    body = await read_json(request, DetokenizeRequest, gw.settings.limits)
     gw.lease(_principal(request), body.model, body.task).release()  # the route must exist
     tokenizer = gw.engine.tokenizer
     vocab = len(tokenizer)

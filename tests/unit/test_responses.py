@@ -1,8 +1,9 @@
-"""read_json on its own: a bounded body (413 by declared length or as it streams in),
-parsed (400 for bad JSON or not an object) and validated (400 naming the field)."""
+"""read_json on its own: a bounded body (413 by declared length or as it streams in, 408
+when it stalls), parsed (400 for bad JSON or not an object) and validated (400 naming the field)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 import pytest
@@ -10,9 +11,14 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from gateway.protocol import ChatCompletionRequest
 from gateway.responses import read_json
+from gateway.settings import LimitSettings
+
+
+def limits(max_body_bytes: int, body_timeout_s: float = 30.0) -> LimitSettings:
+    return LimitSettings(max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
 
 
 class Small(BaseModel):
@@ -41,13 +47,13 @@ def request(chunks: Iterable[bytes], content_length: int | None = None) -> tuple
 
 async def test_a_valid_body_becomes_the_model() -> None:
     req, _ = request([b'{"name": "a",', b' "count": 3}'])
-    assert await read_json(req, Small, 100) == Small(name="a", count=3)
+    assert await read_json(req, Small, limits(100)) == Small(name="a", count=3)
 
 
 async def test_a_declared_length_above_the_limit_is_413_before_reading() -> None:
     req, read = request([b'{"name": "a"}'], content_length=101)
     with pytest.raises(PayloadTooLarge) as info:
-        await read_json(req, Small, 100)
+        await read_json(req, Small, limits(100))
     assert info.value.status_code == 413 and info.value.code == "payload_too_large"
     assert read == []  # refused on the header alone
 
@@ -56,19 +62,19 @@ async def test_a_body_above_the_limit_is_413_as_it_streams_in() -> None:
     chunks = [b'{"name": "', *[b"x" * 40] * 10, b'"}']
     req, read = request(chunks)  # no content-length (chunked), or one that lies
     with pytest.raises(PayloadTooLarge):
-        await read_json(req, Small, 100)
+        await read_json(req, Small, limits(100))
     assert len(read) == 4  # stopped at the chunk that crossed the limit, not at the end
 
     lying, _ = request(chunks, content_length=10)
     with pytest.raises(PayloadTooLarge):
-        await read_json(lying, Small, 100)
+        await read_json(lying, Small, limits(100))
 
 
 async def test_a_body_at_the_limit_is_read() -> None:
     body = b'{"name": "' + b"x" * 88 + b'"}'
     assert len(body) == 100
     req, _ = request([body], content_length=100)
-    assert (await read_json(req, Small, 100)).name == "x" * 88
+    assert (await read_json(req, Small, limits(100))).name == "x" * 88
 
 
 @pytest.mark.parametrize(
@@ -77,7 +83,7 @@ async def test_a_body_at_the_limit_is_read() -> None:
 async def test_bad_json_is_400(body: bytes) -> None:
     req, _ = request([body])
     with pytest.raises(InvalidRequest) as info:
-        await read_json(req, Small, 1_000_000)
+        await read_json(req, Small, limits(1_000_000))
     assert info.value.status_code == 400 and info.value.message == "request body is not valid JSON"
     assert info.value.param is None
 
@@ -86,7 +92,7 @@ async def test_bad_json_is_400(body: bytes) -> None:
 async def test_a_body_that_is_not_an_object_is_400(body: bytes) -> None:
     req, _ = request([body])
     with pytest.raises(InvalidRequest) as info:
-        await read_json(req, Small, 100)
+        await read_json(req, Small, limits(100))
     assert info.value.message == "request body must be a JSON object" and info.value.param is None
 
 
@@ -102,7 +108,7 @@ async def test_a_body_that_is_not_an_object_is_400(body: bytes) -> None:
 async def test_a_validation_error_is_400_naming_the_field(body: bytes, param: str) -> None:
     req, _ = request([body])
     with pytest.raises(InvalidRequest) as info:
-        await read_json(req, Small, 100)
+        await read_json(req, Small, limits(100))
     assert info.value.param == param
     assert info.value.message.startswith(f"{param}: ")
     assert info.value.to_dict()["error"]["type"] == "invalid_request_error"
@@ -113,13 +119,31 @@ async def test_a_nested_field_is_named_by_its_path() -> None:
         [b'{"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}']
     )
     with pytest.raises(InvalidRequest) as info:
-        await read_json(req, ChatCompletionRequest, 10_000)
+        await read_json(req, ChatCompletionRequest, limits(10_000))
     assert info.value.param == "messages.1.role"
 
 
 async def test_a_validator_message_loses_pydantics_prefix() -> None:
     req, _ = request([b'{"messages": [{"role": "system", "content": "x"}]}'])
     with pytest.raises(InvalidRequest) as info:
-        await read_json(req, ChatCompletionRequest, 10_000)
+        await read_json(req, ChatCompletionRequest, limits(10_000))
     assert info.value.param == "messages"
     assert info.value.message == "messages: messages must contain at least one user or assistant message"
+
+
+async def test_a_body_that_stalls_is_408_within_the_body_timeout() -> None:
+    """A client that sends its headers and a byte, then nothing, would hold its admission
+    slot for as long as it keeps the socket open."""
+    sent = asyncio.Event()
+
+    async def receive() -> Message:
+        if not sent.is_set():
+            sent.set()
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(RequestTimeout) as info:
+        await asyncio.wait_for(read_json(Request(scope, receive), Small, limits(100, 0.05)), 5)
+    assert info.value.status_code == 408 and "limits.body_timeout_s" in info.value.message
