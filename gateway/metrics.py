@@ -52,7 +52,7 @@ class RequestRecord:
             self.status = 499
         gen = self.generation
         if gen is not None:
-            self.prompt_tokens = gen.prompt_tokens
+            self.prompt_tokens = gen.prompt_tokens if gen.reached_engine else 0  # left while queued: none
             self.completion_tokens = gen.completion_tokens
             self.first_token_at = gen.first_token_at
             if gen.error is not None and not self.disconnected:

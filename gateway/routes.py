@@ -248,7 +248,13 @@ def _track(
     record: RequestRecord | None = request.scope.get("state", {}).get("record")
     if record is not None:
         record.attach(gen, stream)
-        record.adapter_state = gw.adapters.start_state(gen.route)
+        if gen.route.lora is not None:
+
+            def adapter_state() -> None:  # as it is when the request reaches the engine
+                assert record is not None
+                record.adapter_state = gw.adapters.start_state(gen.route)
+
+            gen.on_engine = adapter_state
         if gw.settings.server.log_prompts:
             record.prompt = prompt()
     gen.on_gap = gw.metrics.itl.labels(gw.metrics.route_label(gen.route.name)).observe

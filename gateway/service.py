@@ -102,6 +102,10 @@ class Generation:
         # the access log and the metrics count the request under this error's status.
         self.error: GatewayError | None = None
         self.on_gap: Callable[[float], None] | None = None  # inter-step latency, for metrics
+        # Set when the request reaches the engine (after its adapter's turn), for metrics: a
+        # request whose client left while it waited never did.
+        self.reached_engine = False
+        self.on_engine: Callable[[], None] | None = None
         self._engine = engine
         self._lease = lease
         self._prompt_ids = prompt_ids
@@ -131,7 +135,9 @@ class Generation:
         try:
             if self._scheduler is not None:
                 ticket = await self._scheduler.turn(self.route, self.caller)
-            started = True
+            started = self.reached_engine = True
+            if self.on_engine is not None:
+                self.on_engine()
             async for step in self._engine_steps():
                 now = time.monotonic()
                 if lasts is not None:

@@ -95,6 +95,29 @@ async def test_a_client_that_leaves_while_waiting_leaves_no_slot_behind(serve: S
     assert (await served.http.post("/v1/chat/completions", json=body("json"))).status_code == 200
 
 
+async def test_a_request_that_left_while_waiting_counts_no_prompt_tokens(serve: Serve) -> None:
+    """It never reached the engine: no prompt tokens, and no cold/warm state that would
+    mark its adapter loaded for the next request's TTFT split."""
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
+    scheduler = served.gw.scheduler
+    assert scheduler is not None
+    shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
+    await eventually_async(lambda: len(served.engine.calls) == 1, 5, "shout in the engine")
+    json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    await eventually_async(lambda: scheduler.queued == 1, 5, "json queued")
+    served.gw.adapters.resident.clear()  # as if the engine had evicted json meanwhile
+    json_.cancel()
+    await eventually_async(lambda: scheduler.queued == 0, 5, "json left the queue")
+    gate.set()
+    assert (await shout).status_code == 200
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert 'gateway_prompt_tokens_total{route="json"}' not in metrics
+    json_id = served.gw.catalog_or_503().table.routes["json"].lora.lora_id  # type: ignore[union-attr]
+    assert json_id not in served.gw.adapters.resident  # the next json request is cold
+    assert 'gateway_prompt_tokens_total{route="shout"}' in metrics
+
+
 async def test_switched_off_requests_go_straight_to_the_engine(serve: Serve) -> None:
     gate = asyncio.Event()
     served = await serve(FakeEngine(gate=gate), engine__max_loras=1, limits__lora_scheduling="off")
