@@ -138,6 +138,10 @@ def parse_structured_outputs(value: Any) -> Constraint | None:
     # engine checks them in ``prepare``.
     if not isinstance(item, str) or not item.strip():
         raise InvalidRequest(f"'{param}.{kind}' must be a non-empty string", param=param)
+    if kind == "regex" and len(item) > MAX_PATTERN_CHARS:
+        raise InvalidRequest(
+            f"'{param}.regex' is too long: at most {MAX_PATTERN_CHARS} characters", param=param
+        )
     return Constraint("regex" if kind == "regex" else "grammar", item)
 
 
@@ -182,14 +186,23 @@ _CACHED_SCHEMA_CHARS = 64 * 1024
 # the engine. Legitimate schemas (pydantic models, tools) stay far below both bounds.
 MAX_SCHEMA_NODES = 5000
 MAX_OPTIONAL_PROPERTIES = 128  # in one object; more objects share the square of it
+# Regexes (a schema's ``pattern``s and ``patternProperties`` keys, together; or a
+# ``structured_outputs.regex``) are compiled three times: by Python's ``re`` in the
+# meta-schema check (``format: regex``) and by xgrammar's converter, both on the event loop,
+# then by the engine's grammar compiler. None of them is bounded in time: a 1.5 MB
+# alternation held the event loop for 5 to 9 s (every stream stalled), and the engine's
+# compile time grows with the square of its size (80,000 alternatives: 4.7 s). 16 KiB
+# costs 10 to 30 ms; patterns a schema or a regex constraint needs are far shorter.
+MAX_PATTERN_CHARS = 16 * 1024
 
 
 def schema_size_problem(schema: Any, *, compiled: bool = True) -> str | None:
     """Why ``schema`` (or a list of schemas, checked together) is too costly to check and
     compile, or None: more than ``MAX_SCHEMA_NODES`` schema objects, or (with ``compiled``:
     the schemas are compiled together) optional properties whose squares sum to more than
-    ``MAX_OPTIONAL_PROPERTIES`` squared. Iterative, so any nesting is fine."""
-    nodes = cost = worst = 0
+    ``MAX_OPTIONAL_PROPERTIES`` squared, or regular expressions longer than
+    ``MAX_PATTERN_CHARS`` together. Iterative, so any nesting is fine."""
+    nodes = cost = worst = patterns = 0
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -201,6 +214,14 @@ def schema_size_problem(schema: Any, *, compiled: bool = True) -> str | None:
         nodes += 1
         if nodes > MAX_SCHEMA_NODES:
             return f"the schema is too large: more than {MAX_SCHEMA_NODES} schema objects"
+        pattern, keyed = node.get("pattern"), node.get("patternProperties")
+        patterns += len(pattern) if isinstance(pattern, str) else 0
+        patterns += sum(len(str(key)) for key in keyed) if isinstance(keyed, dict) else 0
+        if patterns > MAX_PATTERN_CHARS:
+            return (
+                f"the schema's regular expressions ('pattern', 'patternProperties') are too long: "
+                f"more than {MAX_PATTERN_CHARS} characters together"
+            )
         properties, required = node.get("properties"), node.get("required")
         if compiled and isinstance(properties, dict):
             named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()

@@ -415,6 +415,10 @@ def test_pydantic_and_openai_sdk_schemas_pass() -> None:
     assert xgrammar_gap(to_strict_json_schema(Owner)) is None
 
 
+def _pattern(regex: str) -> dict[str, Any]:
+    return {"type": "string", "pattern": regex}
+
+
 def _optional(count: int, required: int = 0) -> dict[str, Any]:
     properties = {f"p{i}": {"type": "string", "maxLength": 5} for i in range(count + required)}
     return {"type": "object", "properties": properties, "required": [f"p{i}" for i in range(required)]}
@@ -436,6 +440,13 @@ def _optional(count: int, required: int = 0) -> dict[str, Any]:
             "too costly",
         ),
         ({"type": "array", "items": [{"type": "integer"}] * 5001}, "more than 5000 schema objects"),
+        # A 1.5 MB alternation held the event loop for 5 to 9 s in Python's re.compile alone
+        (_pattern("|".join(f"w{i}" for i in range(200_000))), "more than 16384 characters together"),
+        (
+            {"type": "object", "properties": {f"p{i}": _pattern("a" * 6000) for i in range(3)}},
+            "regular expressions ('pattern', 'patternProperties') are too long",
+        ),
+        ({"type": "object", "patternProperties": {"b" * 16385: {}}}, "too long"),
     ],
 )
 def test_schemas_too_costly_to_check_or_compile_are_400s(schema: dict[str, Any], words: str) -> None:
@@ -451,5 +462,22 @@ def test_large_schemas_within_the_bounds_pass() -> None:
         _optional(128),
         _optional(90, required=3000),
         {"type": "object", "properties": {"a": _optional(90)}},
+        {"type": "object", "properties": {"a": _pattern("a" * 8000), "b": _pattern("b" * 8000)}},
+        {"type": "object", "properties": {"pattern": {"type": "object"}}},  # a property named so
     ):
         assert check_schema(schema, "response_format") is schema
+
+
+def test_regex_constraints_are_bounded_in_length() -> None:
+    # Compiled by xgrammar on the event loop, then by the engine in time that grows with the
+    # square of its size; vLLM's 5 s compile timeout keeps the loop waiting all that time.
+    long = "|".join(f"w{i}" for i in range(5000))
+    with pytest.raises(InvalidRequest) as info:
+        request_constraint({"structured_outputs": {"regex": long}})
+    assert info.value.param == "structured_outputs"
+    assert "at most 16384 characters" in info.value.message
+    fits = "a" * 16384
+    assert request_constraint({"structured_outputs": {"regex": fits}}) == (
+        Constraint("regex", fits),
+        "structured_outputs",
+    )
