@@ -18,6 +18,7 @@ import copy
 import inspect
 import json
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -33,6 +34,7 @@ _ACCEPTED_MAX_CHARS = 64 * 1024
 class RequestChecks:
     def __init__(self) -> None:
         self._accepted: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        self._lock = threading.Lock()  # ``structured`` runs in the service's check threads
 
     def verify(self, engine: Any, params: Any, tokenizer: Any) -> None:
         """vLLM's checks of every request (logprobs and prompt logprobs against the engine's
@@ -59,9 +61,10 @@ class RequestChecks:
         InvalidRequest (``param`` response_format; the service names the field it came
         from). Whatever it raises here is about the constraint."""
         key = _constraint_key(params.structured_outputs)
-        if key in self._accepted:
-            self._accepted.move_to_end(key)
-            return
+        with self._lock:
+            if key in self._accepted:
+                self._accepted.move_to_end(key)
+                return
         gap = _unenforced(engine, params.structured_outputs)
         if gap is not None:
             raise InvalidRequest(f"the JSON schema {gap}", param="response_format")
@@ -74,9 +77,10 @@ class RequestChecks:
             raise InvalidRequest(message[:500], param="response_format") from None
         log.debug("structured output backend: %s", params.structured_outputs._backend)
         if sum(len(str(part)) for part in key) <= _ACCEPTED_MAX_CHARS:
-            self._accepted[key] = None
-            if len(self._accepted) > _ACCEPTED_MAX:
-                self._accepted.popitem(last=False)
+            with self._lock:
+                self._accepted[key] = None
+                if len(self._accepted) > _ACCEPTED_MAX:
+                    self._accepted.popitem(last=False)
 
 
 def _unenforced(engine: Any, so: Any) -> str | None:

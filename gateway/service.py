@@ -15,6 +15,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,6 +55,10 @@ from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, Ste
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
 # it runs in the tokenizing thread so the event loop keeps streaming other requests' tokens.
 _THREAD_TOKENIZE_CHARS = 256
+
+# The grammar backend's checks of new constraints, off the event loop: threads of their own,
+# so that a burst of them never holds the default executor (the response store's reads).
+_CONSTRAINT_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-check")
 
 # Abort tasks are fire-and-forget (they must outlive a cancelled request); keep references.
 _background: set[asyncio.Task[None]] = set()
@@ -241,7 +246,7 @@ class ChatService:
             shape = (_or_calls(plan, route, *shape), shape[1])
         limit, logprobs = request.token_limit, request.num_logprobs
         limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        gen = self._start(
+        gen = await self._start(
             request,
             lease,
             prompt_ids,
@@ -265,7 +270,7 @@ class ChatService:
                 Echo(p if isinstance(p, str) else decode(ids), decode(ids[:1]), prompt_only)
                 for p, ids in zip(request.prompts, prompts, strict=True)
             ]
-        return self._start(
+        return await self._start(
             request,
             lease,
             prompts[0],
@@ -342,7 +347,7 @@ class ChatService:
             return await self._prompts.encode(render, add_special_tokens)
         return list(self._engine.tokenizer.encode(render(), add_special_tokens=add_special_tokens))
 
-    def _start(
+    async def _start(
         self,
         request: SamplingFields,
         lease: Lease,
@@ -390,7 +395,7 @@ class ChatService:
             raise InvalidRequest(
                 "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
             )
-        params = self._prepare(sampling, constraint_param)
+        params = await self._prepare(sampling, constraint_param)
         return Generation(
             self._engine,
             lease,
@@ -448,11 +453,17 @@ class ChatService:
             max_tokens = max(default, min_tokens)
         return max_tokens
 
-    def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
+    async def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
         """The engine's form of ``sampling``; a constraint its grammar backend refuses is
-        reported on the field it came from, at the place in the schema the client wrote."""
+        reported on the field it came from, at the place in the schema the client wrote.
+        With a constraint, in a thread: the grammar backend converts it on the calling
+        thread (vLLM's regex check even waits there, up to its 5 s timeout), which took
+        0.25 s for 2 MB of choices; on the event loop every stream would stall meanwhile."""
         try:
-            return self._engine.prepare(sampling)
+            if sampling.constraint is None:
+                return self._engine.prepare(sampling)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(_CONSTRAINT_CHECKS, self._engine.prepare, sampling)
         except InvalidRequest as exc:
             if exc.param == "response_format":
                 exc.param = constraint_param

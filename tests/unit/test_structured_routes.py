@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChat
 from gateway.routes import model_cards
 from gateway.service import ChatService
 from gateway.settings import LimitSettings
-from gateway.types import Constraint
+from gateway.types import Constraint, SamplingSpec
 from tests.unit.fakes import FakeEngine
 
 ANSWER = {
@@ -98,3 +100,38 @@ routes:
     assert cards["good"]["response_format_enforced"] is True
     assert cards["inline"]["response_format_enforced"] is False
     assert cards["base"]["response_format"] is None
+
+
+class SlowChecks(FakeEngine):
+    """The grammar backend's check of a constraint takes a while (a 2 MB ``choice`` list:
+    0.25 s; vLLM's regex check waits up to its 5 s timeout), on the calling thread."""
+
+    def prepare(self, sampling: SamplingSpec) -> SamplingSpec:
+        if sampling.constraint is not None:
+            time.sleep(0.5)
+        return sampling
+
+
+async def test_a_constraint_is_checked_off_the_event_loop() -> None:
+    engine = SlowChecks()
+    service, catalog = ChatService(engine, LimitSettings()), setup()[1]
+    gaps: list[float] = []
+    checking = True
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while checking:
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    ticks = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    gen = await service.chat(chat(structured_outputs={"choice": ["a", "b"]}), catalog.acquire(None))
+    checking = False
+    await ticks
+    await gen.collect()
+    assert engine.calls[0][1].constraint == Constraint("choice", ("a", "b"))
+    assert max(gaps) < 0.25, f"the event loop stalled for {max(gaps):.2f} s"
+    # Without a constraint, nothing to convert: prepared on the loop, no thread hop.
+    await (await service.chat(chat(), catalog.acquire(None))).collect()
