@@ -1,5 +1,6 @@
 """LoRA scheduling on a live engine with one LoRA slot: requests for three adapters at
-once all succeed, each with its own adapter, and the metrics show that some waited."""
+once all succeed, each with its own adapter, and the metrics show that some waited. With a
+pinned adapter, more unpinned adapters in demand than slots never reach one batch."""
 
 from __future__ import annotations
 
@@ -44,6 +45,50 @@ def test_three_adapters_share_one_slot(one_slot: LiveGateway) -> None:
     assert _sample(metrics, "gateway_adapter_queued_requests") == 0.0
     status = one_slot.status()["lora_scheduler"]
     assert status["slots"] == 1 and status["active"] == {} and status["queued"] == {}
+
+
+PINNED = """
+routes:
+  - {name: shout, adapter: shout, pinned: true}
+  - {name: json, adapter: json}
+  - {name: bullets, adapter: bullets}
+"""
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    gw = start_gateway(
+        tmp_path_factory.mktemp("pinned"),
+        "--max-loras",
+        "2",
+        "--set",
+        "limits.max_adapter_wait_s=0.2",
+        catalog_text=PINNED,
+    )
+    yield gw
+    stop_gateway(gw)
+
+
+def test_a_pinned_slot_survives_more_unpinned_adapters_than_slots(pinned: LiveGateway) -> None:
+    """max_loras 2 with shout pinned leaves json and bullets one GPU slot. vLLM batches up to
+    max_loras adapters without counting the pinned one, and a batch holding both json and
+    bullets kills the engine (KeyError in punica's convert_mapping). The gateway never hands
+    it one: not when a request waits past max_adapter_wait_s (0.2 s here), nor ever. (No
+    request for shout: with shout in a batch, max_loras keeps the other two apart.)"""
+    with pinned.admin() as admin:
+        cards = {c["id"]: c for c in admin.get("/v1/models").json()["data"]}
+    assert cards["shout"]["residency"] == "gpu"
+
+    def ask(model: str) -> tuple[str, int]:
+        with pinned.client() as client:
+            r = client.post("/v1/chat/completions", json=chat_body(model, "Name a colour.", max_tokens=48))
+            return model, r.status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, [m for _ in range(8) for m in ("json", "bullets")]))
+    assert all(status == 200 for _, status in answers), (answers, pinned.log_tail())
+    status = pinned.status()
+    assert status["engine_ready"] is True and status["lora_scheduler"]["slots"] == 1
 
 
 def _sample(metrics: str, name: str, route: str | None = None, labels: str = "") -> float:
