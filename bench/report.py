@@ -358,7 +358,8 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
     the point): before the engine (HTTP, parsing, templating, tokenizing, the client), then
     the engine (AsyncLLM arrival -> first token, of which scheduler queue and prefill); of
     the whole request, what lies outside the engine's arrival -> finish; and the time per
-    output token as the client saw it and as the engine core's clock had it."""
+    output token as the client saw it and as the engine core's clock had it; and the engine's
+    steps in the point with their mean tokens (prefill and decode), how full they ran."""
     rows = []
     for mix in meta["mixes"]:
         for c in meta["concurrencies"]:
@@ -373,7 +374,8 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
                         f"{_f(_sub(p.get('e2e_ms_mean'), p.get('engine_e2e_ms_mean')), '{:.2f}')} | "
                         f"{_f(p.get('tpot_ms_mean'), '{:.3f}')} | {_f(p.get('engine_tpot_ms_mean'), '{:.3f}')} | "
                         f"{_f(p.get('engine_prompt_tokens_mean'), '{:.1f}')} | "
-                        f"{_f(_pct(p.get('engine_cached_share')), '{:.1f}')} |"
+                        f"{_f(_pct(p.get('engine_cached_share')), '{:.1f}')} | "
+                        f"{_f(p.get('engine_steps'), '{:.0f}')} | {_f(p.get('engine_tokens_per_step'), '{:.1f}')} |"
                     )
     if not rows:
         return []
@@ -381,8 +383,8 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
         "",
         "TTFT and latency split (means, ms; the engine's part from its own `vllm:` histograms on /metrics):",
         "",
-        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine | TPOT (client) | TPOT (engine) | prompt tokens (engine) | prefix-cached % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine | TPOT (client) | TPOT (engine) | prompt tokens (engine) | prefix-cached % | engine steps | tokens / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

@@ -325,6 +325,11 @@ ENGINE_COUNTERS = {
     "engine_cached_tokens": "vllm:prompt_tokens_cached_total",
 }
 
+# Tokens per engine step (prefill and decode together): its count is the engine's steps in
+# the point, its mean how full they ran; two servers on one load that differ here scheduled
+# differently (bursts of prefill, smaller batches), not just ran slower.
+ENGINE_STEP_TOKENS = "vllm:iteration_tokens_total"
+
 
 def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, float]] | None:
     """(sum, count) of each of ENGINE_HISTOGRAMS and (value, 0) of each of ENGINE_COUNTERS,
@@ -335,10 +340,10 @@ def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, flo
             text = resp.read().decode()
     except OSError:
         return None
-    out = {key: [0.0, 0.0] for key in (*ENGINE_HISTOGRAMS, *ENGINE_COUNTERS)}
+    out = {key: [0.0, 0.0] for key in (*ENGINE_HISTOGRAMS, *ENGINE_COUNTERS, "engine_step_tokens")}
     wanted = {
         metric + suffix: (key, slot)
-        for key, metric in ENGINE_HISTOGRAMS.items()
+        for key, metric in (*ENGINE_HISTOGRAMS.items(), ("engine_step_tokens", ENGINE_STEP_TOKENS))
         for slot, suffix in enumerate(("_sum", "_count"))
     }
     wanted.update({metric: (key, 0) for key, metric in ENGINE_COUNTERS.items()})
@@ -367,4 +372,9 @@ def engine_means_ms(
         cached = after["engine_cached_tokens"][0] - before["engine_cached_tokens"][0]
         means["engine_prompt_tokens_mean"] = prompt / requests
         means["engine_cached_share"] = cached / prompt if prompt else None
+    if before is not None and after is not None:
+        steps = after["engine_step_tokens"][1] - before["engine_step_tokens"][1]
+        tokens = after["engine_step_tokens"][0] - before["engine_step_tokens"][0]
+        means["engine_steps"] = steps
+        means["engine_tokens_per_step"] = tokens / steps if steps > 0 else None
     return means

@@ -42,3 +42,35 @@ def test_with_no_cpu_cache_size_each_server_keeps_its_default() -> None:
     assert "--max-cpu-loras" not in gateway_command(spec, 8802, Path("/c.yaml"), Path("/a"))
     assert "max_cpu_loras" not in spec.engine_kwargs()
     assert _flag(vllm_command(spec, 8801), "--max-loras") == "2"
+
+
+def test_engine_means_count_the_steps_and_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two scrapes of /metrics around a point: per-request means in ms, and the engine's
+    steps in between with their mean tokens (vllm:iteration_tokens_total)."""
+    import io
+
+    from bench import servers
+
+    pages = iter(
+        [
+            'vllm:e2e_request_latency_seconds_sum{engine="0"} 1.0\n'
+            'vllm:e2e_request_latency_seconds_count{engine="0"} 2.0\n'
+            'vllm:iteration_tokens_total_sum{engine="0"} 100.0\n'
+            'vllm:iteration_tokens_total_count{engine="0"} 10.0\n'
+            'vllm:prompt_tokens_total{engine="0"} 40.0\n',
+            'vllm:e2e_request_latency_seconds_sum{engine="0"} 4.0\n'
+            'vllm:e2e_request_latency_seconds_count{engine="0"} 5.0\n'
+            'vllm:iteration_tokens_total_sum{engine="0"} 700.0\n'
+            'vllm:iteration_tokens_total_count{engine="0"} 30.0\n'
+            'vllm:prompt_tokens_total{engine="0"} 100.0\n',
+        ]
+    )
+    monkeypatch.setattr(
+        servers.urllib.request, "urlopen", lambda req, timeout: io.BytesIO(next(pages).encode())
+    )
+    before = servers.engine_histograms("http://x", "k")
+    after = servers.engine_histograms("http://x", "k")
+    means = servers.engine_means_ms(before, after)
+    assert means["engine_e2e_ms_mean"] == pytest.approx(1000.0)  # 3 s over 3 requests
+    assert means["engine_prompt_tokens_mean"] == pytest.approx(20.0)
+    assert means["engine_steps"] == 20 and means["engine_tokens_per_step"] == pytest.approx(30.0)
