@@ -391,12 +391,7 @@ async def test_a_stream_that_fails_after_its_200_is_counted_and_logged_as_the_er
     assert r.status_code == 200 and "error" in r.text.rsplit("\n\n", 2)[-2]
     access = [json.loads(m.getMessage()) for m in caplog.records if m.name == "gateway.access"]
     assert [(a["status"], a["error"]) for a in access] == [(500, "the engine failed to process the request")]
-    registry = served.gw.metrics.registry
-    for status, count in (("500", 1), ("200", None)):
-        labels = {"route": BASE, "status": status, "stream": "true"}
-        assert registry.get_sample_value("gateway_requests_total", labels) == count, status
-    # not a success's latency
-    assert registry.get_sample_value("gateway_request_duration_seconds_count", {"route": BASE}) is None
+    assert_counted_as(served, "500")
 
 
 async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_response(
@@ -431,10 +426,16 @@ async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_respo
         await served.app(http_scope("/v1/chat/completions", headers), receive, send)
     access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
+    assert_counted_as(served, "499")
+
+
+def assert_counted_as(served: Served, status: str) -> None:
+    """One streamed request on the base route, counted under ``status`` and not as a 200,
+    and kept out of the latency of successes."""
     registry = served.gw.metrics.registry
-    for status, count in (("499", 1), ("200", None)):
-        labels = {"route": BASE, "status": status, "stream": "true"}
-        assert registry.get_sample_value("gateway_requests_total", labels) == count, status
+    for label, count in ((status, 1), ("200", None)):
+        labels = {"route": BASE, "status": label, "stream": "true"}
+        assert registry.get_sample_value("gateway_requests_total", labels) == count, label
     assert registry.get_sample_value("gateway_request_duration_seconds_count", {"route": BASE}) is None
 
 
