@@ -105,10 +105,13 @@ class AdapterSlots:
         self.paths: dict[int, Path] = {}
         # Warm-ups take their turn like any LoRA request: one sent past it could put more
         # adapters in a batch than vLLM has free GPU slots (with a pin, that kills it).
-        self.scheduler: LoraScheduler | None = None
-        # False with ``limits.lora_scheduling: off``: pins are then refused (logged), as
+        # None with ``limits.lora_scheduling: off``: pins are then refused (logged), as
         # nothing would keep unpinned adapters within the slots a pin leaves them.
-        self.may_pin = True
+        self.scheduler: LoraScheduler | None = None
+
+    @property
+    def may_pin(self) -> bool:
+        return self.scheduler is not None
 
     async def register(self, route: Route) -> None:
         """Add, pin and warm one route's adapter; an id already registered is not loaded
@@ -145,7 +148,7 @@ class AdapterSlots:
         """Pin the route's version, or leave it waiting for a slot when ``max_loras - 1`` are
         pinned: during a hot swap the old pinned version holds its slot until it drains."""
         assert route.lora is not None
-        if not self.may_pin:
+        if self.scheduler is None:
             log.warning("adapter %s %s", route.name, PIN_REFUSED)
             return
         # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
@@ -159,13 +162,9 @@ class AdapterSlots:
                 self.max_loras,
             )
             return
-        if self.scheduler is None:
+        async with self.scheduler.room_for_pin(route.lora.lora_id):
             await self.engine.pin_lora(route.lora.lora_id)
             self.pinned.add(route.lora.lora_id)
-        else:
-            async with self.scheduler.room_for_pin(route.lora.lora_id):
-                await self.engine.pin_lora(route.lora.lora_id)
-                self.pinned.add(route.lora.lora_id)
         self.pins_waiting.pop(route.lora.lora_id, None)
         log.info("adapter %s pinned to a GPU slot", route.name)
 

@@ -50,7 +50,6 @@ class Gateway:
         self.scheduler = self.adapters.scheduler = lora_scheduler(
             settings, self.adapters.pinned, self.metrics
         )
-        self.adapters.may_pin = self.scheduler is not None
         self.service = ChatService(self.engine, settings.limits, self.scheduler)
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
         self.exit_code = 0

@@ -56,7 +56,9 @@ def lora_route(name: str, lora_id: int, **kw: Any) -> Route:
 def slots(max_loras: int = 4) -> tuple[AdapterSlots, SlotEngine, GatewayMetrics]:
     engine = SlotEngine()
     metrics = GatewayMetrics(CollectorRegistry())
-    return AdapterSlots(engine, metrics, max_loras), engine, metrics  # type: ignore[arg-type]
+    s = AdapterSlots(engine, metrics, max_loras)  # type: ignore[arg-type]
+    s.scheduler = LoraScheduler(max_loras, quantum_s=10.0, max_wait_s=60.0, pinned=s.pinned)
+    return s, engine, metrics
 
 
 def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float | None:
@@ -97,7 +99,6 @@ async def test_a_warm_up_waits_for_its_adapters_turn() -> None:
     """With max_loras=2 and one pin, one unpinned adapter may be in the engine at a time: a
     warm-up sent past the scheduler would make two, which kills vLLM's engine."""
     s, engine, _ = slots(max_loras=2)
-    s.scheduler = LoraScheduler(2, quantum_s=10.0, max_wait_s=60.0, pinned=s.pinned)
     await s.register(lora_route("pin", 1, pinned=True))
     busy = await s.scheduler.turn(lora_route("busy", 2))  # a user request holds the slot
     assert busy is not None
@@ -399,7 +400,6 @@ async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> 
 
 async def test_a_pin_waits_for_room_among_the_active_adapters() -> None:
     s, engine, _ = slots(max_loras=2)
-    s.scheduler = LoraScheduler(2, quantum_s=10.0, max_wait_s=60.0, pinned=s.pinned)
     tickets = [await s.scheduler.turn(lora_route(f"u{i}", i)) for i in (1, 2)]
     pinning = asyncio.create_task(s.register(lora_route("p", 3, pinned=True)))
     for _ in range(5):
