@@ -167,9 +167,6 @@ def schema_problem(schema: dict[str, Any]) -> tuple[str, str] | None:
     meta-schema check costs more front-end CPU (about 1 ms for a 5-field object) than the
     rest of the request's preparation. RecursionError for absurdly deep nesting. A schema
     too costly to check or compile (``schema_size_problem``) is refused before either."""
-    too_big = schema_size_problem(schema)
-    if too_big is not None:
-        return "", too_big
     text = json.dumps(schema, sort_keys=True)
     return _cached_problem(text) if len(text) <= _CACHED_SCHEMA_CHARS else _meta_check(schema)
 
@@ -243,7 +240,11 @@ def _cached_problem(text: str) -> tuple[str, str] | None:
 
 
 def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
-    """Where and why the meta-schema refuses ``schema``; None if it accepts it."""
+    """Where and why the meta-schema refuses ``schema``, or why it is too costly to check
+    (first, as the check is what costs); None if it accepts it."""
+    too_big = schema_size_problem(schema)
+    if too_big is not None:
+        return "", too_big
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
