@@ -4,6 +4,7 @@ transport with the lifespan running (``serve``). Same keys as the integration su
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -164,3 +165,21 @@ def http_scope(path: str, headers: dict[str, str], method: str = "POST") -> dict
         "server": ("gateway.test", 80),
         "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
     }
+
+
+def body_then_disconnect(
+    body: bytes, gone: asyncio.Event | None = None
+) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI ``receive``: the whole body, then a disconnect (once ``gone`` is set, if given)."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if gone is not None:
+            await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return receive

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.embedded import embedded_model_dir, is_prepared
-from tests.unit.conftest import USER_KEY, Serve, http_scope
+from tests.unit.conftest import USER_KEY, Serve, body_then_disconnect, http_scope
 from tests.unit.fakes import FakeEngine
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -38,20 +38,12 @@ async def asgi_post(served: Any, path: str, body: dict[str, Any], receive_after:
         "content-length": str(len(raw)),
     }
     scope = http_scope(path, headers)
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] in receive_after:
             await asyncio.sleep(0.01)
 
-    await served.app(scope, receive, send)
+    await served.app(scope, body_then_disconnect(raw), send)
 
 
 @pytest.mark.parametrize("slow", ["http.response.start", "http.response.body"])

@@ -24,6 +24,7 @@ from tests.unit.conftest import (
     USER_KEY,
     Serve,
     Served,
+    body_then_disconnect,
     http_scope,
 )
 from tests.unit.fakes import FakeEngine
@@ -403,16 +404,6 @@ async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_respo
     body = json.dumps(chat_body("base", stream=True)).encode()
     headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
     gone = asyncio.Event()
-    requested = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
     chunks = 0
 
     async def send(message: dict[str, Any]) -> None:
@@ -423,7 +414,7 @@ async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_respo
                 gone.set()
 
     with caplog.at_level(logging.INFO):
-        await served.app(http_scope("/v1/chat/completions", headers), receive, send)
+        await served.app(http_scope("/v1/chat/completions", headers), body_then_disconnect(body, gone), send)
     access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
     assert_counted_as(served, "499")
