@@ -167,6 +167,14 @@ class LimitSettings(_Section):
         5.0, gt=0, description="a request waiting this long for its adapter's turn goes to the engine anyway"
     )
 
+    @field_validator("lora_scheduling", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        """YAML 1.1 reads a bare ``off`` (and ``on``) as a bool: take them as the words meant."""
+        if isinstance(value, bool):
+            return "fair" if value else "off"
+        return value
+
 
 class ResponsesSettings(_Section):
     """The ``/v1/responses`` store (``store: true``, ``previous_response_id``, retrieve)."""

@@ -211,6 +211,20 @@ def test_lora_scheduling_knobs(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
             load_settings({"config": str(empty), **bad})
 
 
+@pytest.mark.parametrize("word", ["off", "on"])
+def test_lora_scheduling_takes_yaml_switch_words(env: pytest.MonkeyPatch, tmp_path: Path, word: str) -> None:
+    """README writes ``limits.lora_scheduling: off``; YAML 1.1 reads a bare off/on as a bool,
+    in the settings file and in ``--set`` alike."""
+    expected = {"off": "off", "on": "fair"}[word]
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"limits:\n  lora_scheduling: {word}\n")
+    assert load_settings({"config": str(config)}).limits.lora_scheduling == expected
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    args = build_parser().parse_args(["serve", "--set", f"limits.lora_scheduling={word}"])
+    assert load_settings({**_overrides(args), "config": str(empty)}).limits.lora_scheduling == expected
+
+
 class FakeGateway(http.server.ThreadingHTTPServer):
     """Answers every request with ``reply``: (status, content type, body)."""
 
