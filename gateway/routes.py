@@ -127,7 +127,7 @@ async def create_response(request: Request) -> Response:
     owner = _owner(request)
     turn, history = input_messages(body.input), []
     if body.previous_response_id is not None:
-        history = (await _stored(request, body.previous_response_id, "previous_response_id")).history
+        history = (await _previous(request, body.previous_response_id)).history
     chat = chat_request(body, history, turn)
     limit = constraint(body.text.format)
     try:
@@ -181,7 +181,7 @@ async def get_response(request: Request) -> Response:
     for name in ("starting_after", "include", "include[]"):
         if query.get(name):
             raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name.removesuffix("[]"))
-    stored = await _stored(request, request.path_params["response_id"], "response_id")
+    stored = await _stored(request, request.path_params["response_id"])
     return JSONResponse(stored.response)
 
 
@@ -195,7 +195,7 @@ async def delete_response(request: Request) -> Response:
 async def response_input_items(request: Request) -> Response:
     """The input items of a stored response (the conversation it answered), a page at a time."""
     response_id = request.path_params["response_id"]
-    stored = await _stored(request, response_id, "response_id")
+    stored = await _stored(request, response_id)
     items = input_items(response_id, stored.history[:-1])  # the last turn is the response's own
     return JSONResponse(items_page(items, dict(request.query_params)))
 
@@ -205,11 +205,24 @@ def _owner(request: Request) -> str:
     return principal.name if principal is not None else ""
 
 
-async def _stored(request: Request, response_id: str, param: str) -> Stored:
+async def _stored(request: Request, response_id: str) -> Stored:
     """A stored response of this caller's key; another key's looks like none (404)."""
     stored = await _gateway(request).responses.get(_owner(request), response_id)
     if stored is None:
-        raise NotFound(f"Response with id '{response_id[:80]}' not found.", param=param)
+        raise NotFound(f"Response with id '{response_id[:80]}' not found.", param="response_id")
+    return stored
+
+
+async def _previous(request: Request, response_id: str) -> Stored:
+    """The response that ``previous_response_id`` continues: one that is not stored for this
+    key (unknown, ``store: false``, expired, deleted, another key's) is OpenAI's 400."""
+    stored = await _gateway(request).responses.get(_owner(request), response_id)
+    if stored is None:
+        raise InvalidRequest(
+            f"Previous response with id '{response_id[:80]}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return stored
 
 

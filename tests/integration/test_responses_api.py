@@ -143,10 +143,11 @@ def test_previous_response_id_continues_and_other_keys_cannot(
         other.responses.input_items.list(second.id)
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as info:  # OpenAI's 400, as for an unknown id
         other.responses.create(
             model=base_model, input="x", previous_response_id=first.id, max_output_tokens=2
         )
+    assert info.value.code == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         other.responses.delete(first.id)
     client.responses.delete(first.id)

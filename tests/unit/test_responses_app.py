@@ -153,9 +153,14 @@ def test_retrieve_and_delete_are_per_key(http_nolife: TestClient) -> None:
     assert alice.responses.retrieve(made.id).output_text == made.output_text
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(made.id)
-    with pytest.raises(openai.NotFoundError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # as for an unknown id (OpenAI's 400)
         bob.responses.create(model="base-model", input="x", previous_response_id=made.id)
-    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert info.value.body == {  # type: ignore[comparison-overlap]
+        "message": f"Previous response with id '{made.id}' not found.",
+        "type": "invalid_request_error",
+        "param": "previous_response_id",
+        "code": "previous_response_not_found",
+    }
     with pytest.raises(openai.NotFoundError):
         bob.responses.delete(made.id)
     alice.responses.delete(made.id)
@@ -247,6 +252,29 @@ def test_store_false_keeps_nothing(http_nolife: TestClient) -> None:
     assert made.to_dict()["store"] is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_continuing_a_response_that_is_not_stored_is_openais_400(
+    http_nolife: TestClient, store: bool
+) -> None:
+    client = sdk(http_nolife)
+    made = client.responses.create(model="base-model", input="Hi", store=store)
+    if store:
+        client.responses.delete(made.id)
+    for missing in (made.id, "resp_nope", "", "not an id"):
+        r = http_nolife.post(
+            "/v1/responses",
+            json={"model": "base-model", "input": "And?", "previous_response_id": missing},
+            headers={"Authorization": f"Bearer {ALICE}"},
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"Previous response with id '{missing}' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": "previous_response_not_found",
+        }
 
 
 def test_stream_events_in_order(http_nolife: TestClient) -> None:
