@@ -115,6 +115,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         None,
         _KEYED + (400, 404),
     ),
+    ("POST", "/v1/responses/{response_id}/cancel"): Operation(
+        "Cancel a background response: this gateway runs none, so a stored one is a 400",
+        {JSON: "Response"},
+        None,
+        _KEYED + (400, 404),
+    ),
     ("POST", "/tokenize"): Operation(
         "Tokenize a prompt or chat messages (vLLM)",
         {JSON: "TokenizeResponse"},

@@ -192,6 +192,13 @@ async def delete_response(request: Request) -> Response:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
+async def cancel_response(request: Request) -> Response:
+    """``client.responses.cancel``: only a background response can be cancelled (OpenAI's
+    rule), and this gateway runs none, so a stored one is vLLM's and OpenAI's 400."""
+    await _stored(request, request.path_params["response_id"])
+    raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
+
+
 async def response_input_items(request: Request) -> Response:
     """The input items of a stored response (the conversation it answered), a page at a time."""
     response_id = request.path_params["response_id"]
@@ -433,6 +440,7 @@ ROUTES = [
     HttpRoute("/v1/responses", create_response, methods=["POST"]),
     HttpRoute("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
     HttpRoute("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
+    HttpRoute("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
     HttpRoute("/tokenize", tokenize, methods=["POST"]),
     HttpRoute("/detokenize", detokenize, methods=["POST"]),
     HttpRoute("/v1/models", list_models, methods=["GET"]),

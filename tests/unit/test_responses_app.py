@@ -168,6 +168,17 @@ def test_retrieve_and_delete_are_per_key(http_nolife: TestClient) -> None:
         alice.responses.retrieve(made.id)
 
 
+def test_cancel_is_openais_400_for_a_synchronous_response(http_nolife: TestClient) -> None:
+    made = sdk(http_nolife, ALICE).responses.create(model="base-model", input="Hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(http_nolife, ALICE).responses.cancel(made.id)
+    assert info.value.body["message"] == "Cannot cancel a synchronous response."  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as missing:  # another key's is an unknown id
+        sdk(http_nolife, BOB).responses.cancel(made.id)
+    assert missing.value.body["param"] == "response_id"  # type: ignore[index]
+    assert sdk(http_nolife, ALICE).responses.retrieve(made.id).status == "completed"  # untouched
+
+
 def test_input_items_list_the_conversation_a_response_answered(http_nolife: TestClient) -> None:
     client = sdk(http_nolife)
     first = client.responses.create(model="base-model", input="One", instructions="Rules.")
