@@ -15,7 +15,8 @@ Exception tree::
      ├── HeadersTooLarge          431
      ├── RateLimited              429 rate_limit_exceeded (Retry-After)
      ├── EngineUnavailable        503 service_unavailable
-     └── EngineFailed             500 server_error (engine raised mid-request)
+     ├── EngineFailed             500 server_error (engine raised mid-request)
+     └── StoreFailed              500 server_error (the /v1/responses store could not read or write)
     ConfigError                   a setting or catalog entry is invalid (never an HTTP error)
 
 Raise these in catalog, service and engine; ``app`` renders them in one handler.
@@ -145,3 +146,15 @@ class EngineFailed(GatewayError):
     status_code = 500
     error_type = "server_error"
     default_code = "engine_error"
+
+
+class StoreFailed(GatewayError):
+    """The ``/v1/responses`` store could not read or write (disk full, locked, unreadable)."""
+
+    status_code = 500
+    error_type = "server_error"
+    default_code = "store_error"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the response store failed: {reason}")
+        self.reason = reason

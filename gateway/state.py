@@ -80,6 +80,7 @@ class Gateway:
 
     async def start(self) -> None:
         try:
+            await self.responses.open()  # before the engine's minutes: a bad path fails at once
             await self.engine.start()
             self._model_shapes = model_shapes(self.engine.model_path or "")
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")

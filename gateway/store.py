@@ -11,19 +11,27 @@ rows are invisible at once and purged on a later write, at most once a minute.
 SQLite calls block, so the async methods run them in a worker thread
 (``asyncio.to_thread``); one connection, one lock, so calls never interleave. A path of
 ``":memory:"`` keeps everything in memory (tests).
+
+``open`` (at the gateway's start) opens the file, so a path that cannot hold the store or a
+file that is not one is a ``ConfigError`` naming ``responses.store_path``, not a 500 on
+every stored request. A failure later (disk full, locked by another process for longer than
+the busy timeout) is a ``StoreFailed``: an OpenAI-shaped 500 saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from gateway.errors import ConfigError, StoreFailed
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -37,6 +45,8 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
 """
 _PURGE_EVERY_S = 60.0
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +65,36 @@ class ResponseStore:
         self._purged_at = 0.0
 
     # -- async API (for handlers) -----------------------------------------------------
+    async def open(self) -> None:
+        """Open (or create) the store now; ``ConfigError`` if it cannot be."""
+        try:
+            await self._call(self.open_now)
+        except StoreFailed as exc:
+            raise ConfigError(f"responses.store_path: cannot open '{self.path}': {exc.reason}") from exc
+
     async def put(self, owner: str, response: dict[str, Any], history: list[dict[str, str]]) -> None:
-        await asyncio.to_thread(self.put_now, owner, response, history)
+        await self._call(self.put_now, owner, response, history)
 
     async def get(self, owner: str, response_id: str) -> Stored | None:
-        return await asyncio.to_thread(self.get_now, owner, response_id)
+        return await self._call(self.get_now, owner, response_id)
 
     async def delete(self, owner: str, response_id: str) -> bool:
-        return await asyncio.to_thread(self.delete_now, owner, response_id)
+        return await self._call(self.delete_now, owner, response_id)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except (sqlite3.Error, OSError) as exc:
+            # The client's message names the failure, not the path (the log has both).
+            reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+            log.error("response store %s: %s: %s", self.path, type(exc).__name__, exc)
+            raise StoreFailed(reason) from exc
 
     # -- blocking API -----------------------------------------------------------------
+    def open_now(self) -> None:
+        with self._lock:
+            self._connect()
+
     def put_now(self, owner: str, response: dict[str, Any], history: list[dict[str, str]]) -> None:
         now = self._clock()
         row = (response["id"], owner, now + self.ttl_s, json.dumps(response), json.dumps(history))

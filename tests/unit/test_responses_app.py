@@ -6,6 +6,7 @@ the fake engine says it is ready. The SDK talks to it through starlette's TestCl
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -286,6 +287,28 @@ def test_continuing_a_response_that_is_not_stored_is_openais_400(
             "param": "previous_response_id",
             "code": "previous_response_not_found",
         }
+
+
+def test_a_store_that_cannot_write_is_a_500_saying_so(
+    http_nolife: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*args: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(http_nolife.app.state.gateway.responses, "put_now", full)  # type: ignore[attr-defined]
+    client = sdk(http_nolife)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.responses.create(model="base-model", input="Hi")
+    assert info.value.body == {  # type: ignore[comparison-overlap]
+        "message": "the response store failed: database or disk is full",
+        "type": "server_error",
+        "param": None,
+        "code": "store_error",
+    }
+    last = list(client.responses.create(model="base-model", input="Hi", stream=True))[-1]
+    assert last.type == "response.failed" and last.response.error is not None
+    assert last.response.error.message == "the response store failed: database or disk is full"
+    assert client.responses.create(model="base-model", input="Hi", store=False).status == "completed"
 
 
 def test_stream_events_in_order(http_nolife: TestClient) -> None:

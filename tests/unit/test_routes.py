@@ -106,6 +106,20 @@ async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_
     assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("base")), 503)
 
 
+async def test_a_store_file_that_is_not_a_database_fails_the_start_at_once(
+    serve: Serve, tmp_path: Path
+) -> None:
+    store = tmp_path / "responses.sqlite3"
+    store.write_bytes(b"not a database " * 100)
+    engine = FakeEngine()
+    served = await serve(engine, wait_ready=False, responses__store_path=str(store))
+    await eventually_async(lambda: served.gw.startup_error is not None, 5, "the start failed")
+    health = (await served.http.get("/health")).json()
+    assert health["status"] == "error" and "responses.store_path" in health["detail"]
+    assert "file is not a database" in health["detail"]
+    assert not engine.started  # refused before the engine's minutes of start
+
+
 async def test_an_engine_that_fails_to_build_is_an_error_not_starting_forever(serve: Serve) -> None:
     engine = FakeEngine()
     engine.start = AsyncMock(side_effect=ValueError("disable_any_whitespace needs a backend"))  # type: ignore[method-assign]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
+import pytest
+
+from gateway.errors import ConfigError, StoreFailed
 from gateway.settings import GatewaySettings, ResponsesSettings
 from gateway.store import ResponseStore
 
@@ -91,3 +95,38 @@ def test_store_path_settings(tmp_path: Path) -> None:
     settings = GatewaySettings(responses={"ttl_s": 5})
     assert settings.responses.ttl_s == 5
     assert ResponsesSettings().ttl_s == 30 * 24 * 3600
+
+
+async def test_a_file_that_is_not_a_store_fails_open_with_the_setting_named(tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+    path.write_bytes(b"not a database " * 100)
+    with pytest.raises(ConfigError, match=r"responses.store_path: cannot open .*: file is not a database"):
+        await ResponseStore(path, ttl_s=60).open()
+    under_a_file = tmp_path / "responses.sqlite3" / "x.sqlite3"  # its folder cannot be made
+    with pytest.raises(ConfigError, match="responses.store_path: cannot open"):
+        await ResponseStore(under_a_file, ttl_s=60).open()
+
+
+async def test_a_failure_later_is_store_failed_not_an_internal_error(tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(path, ttl_s=60)
+    await store.open()
+    await store.put("alice", response(), HISTORY)
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    other.execute("BEGIN EXCLUSIVE")  # another process holding the file past the busy timeout
+    try:
+        store._connect().execute("PRAGMA busy_timeout = 10")  # not 5 s of waiting in a test
+        with pytest.raises(StoreFailed) as info:
+            await store.put("alice", response("resp_2"), HISTORY)
+        assert info.value.status_code == 500
+        assert info.value.to_dict()["error"] == {
+            "message": "the response store failed: database is locked",
+            "type": "server_error",
+            "param": None,
+            "code": "store_error",
+        }
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    await store.put("alice", response("resp_2"), HISTORY)  # and works again once it is free
+    assert await store.get("alice", "resp_2") is not None
