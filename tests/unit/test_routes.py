@@ -120,6 +120,21 @@ async def test_a_store_file_that_is_not_a_database_fails_the_start_at_once(
     assert not engine.started  # refused before the engine's minutes of start
 
 
+async def test_a_response_is_stored_when_it_ends_not_while_it_streams(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate))
+    body = {"model": BASE, "input": "Hi", "stream": True}
+    stream = asyncio.ensure_future(served.http.post("/v1/responses", json=body))
+    await eventually_async(lambda: served.engine.running == 1, 5, "the stream is generating")
+    assert served.gw.responses.count_now() == 0  # README: GET is a 404 until it ends
+    gate.set()
+    last = [e for e in (await stream).text.split("\n\n") if e][-1]
+    final = json.loads(last.split("\ndata: ", 1)[1])
+    assert final["type"] == "response.completed"
+    got = await served.http.get(f"/v1/responses/{final['response']['id']}")
+    assert got.status_code == 200 and got.json() == final["response"]
+
+
 async def test_an_engine_that_fails_to_build_is_an_error_not_starting_forever(serve: Serve) -> None:
     engine = FakeEngine()
     engine.start = AsyncMock(side_effect=ValueError("disable_any_whitespace needs a backend"))  # type: ignore[method-assign]
