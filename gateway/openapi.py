@@ -110,7 +110,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Delete a stored response of this key", {JSON: "DeletedResponse"}, None, _KEYED + (404,)
     ),
     ("GET", "/v1/responses/{response_id}/input_items"): Operation(
-        "List a stored response's input items (query: after, limit, order)",
+        "List a stored response's input items (query: after, before, limit, order)",
         {JSON: "ResponseItemList"},
         None,
         _KEYED + (400, 404),

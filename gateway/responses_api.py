@@ -343,7 +343,8 @@ def format_echo(fmt: TextFormat) -> dict[str, Any]:
 # -- GET /v1/responses/{id}/input_items: one page (the items: responses_events.input_items) --
 def items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
     """One page of ``items`` as OpenAI lists them: ``order`` (``desc``, the default, or
-    ``asc``), ``after`` (an item id), ``limit`` (1 to 100, default 20)."""
+    ``asc``), ``after`` and ``before`` (item ids: the page is the ``limit`` items just after
+    the one, or just before the other, in that order), ``limit`` (1 to 100, default 20)."""
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
@@ -354,13 +355,21 @@ def items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, 
     ):
         raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
     ordered = items if order == "asc" else items[::-1]
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise InvalidRequest(f"no input item of this response has the id '{after[:80]}'", param="after")
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[: int(raw_limit)]
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for cursor in ("after", "before"):
+        value = query.get(cursor)
+        if value is None:
+            continue
+        if value not in ids:
+            raise InvalidRequest(f"no input item of this response has the id '{value[:80]}'", param=cursor)
+        if cursor == "after":
+            start = ids.index(value) + 1
+        else:
+            end = ids.index(value)
+    ordered = ordered[start:end]
+    limit = int(raw_limit)
+    page = ordered[-limit:] if "before" in query and "after" not in query else ordered[:limit]
     return {
         "object": "list",
         "data": page,

@@ -215,6 +215,26 @@ def test_input_items_page_with_after_and_limit(http_nolife: TestClient) -> None:
     assert len(last.data) == 3 and not last.has_more
 
 
+def test_input_items_page_backwards_with_before(http_nolife: TestClient) -> None:
+    """``before`` (OpenAI's, sent by its JS, Ruby and older Python SDKs): the ``limit`` items
+    just before that item, in the order asked for."""
+    client = sdk(http_nolife)
+    made = client.responses.create(
+        model="base-model", input=[{"role": "user", "content": f"m{k}"} for k in range(5)]
+    )
+    ids = [i.id for i in client.responses.input_items.list(made.id, order="asc")]
+
+    def page(**query: Any) -> tuple[list[str], bool]:
+        got = client.responses.input_items.list(made.id, extra_query=query)
+        return [i.content[0].text for i in got.data], got.has_more  # type: ignore[union-attr]
+
+    assert page(order="asc", before=ids[4], limit=2) == (["m2", "m3"], True)
+    assert page(order="asc", before=ids[2], limit=5) == (["m0", "m1"], False)
+    assert page(order="desc", before=ids[0], limit=2) == (["m2", "m1"], True)
+    assert page(order="asc", after=ids[0], before=ids[4], limit=2) == (["m1", "m2"], True)
+    assert page(order="asc", before=ids[0]) == ([], False)
+
+
 def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
     client = sdk(http_nolife)
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
@@ -242,6 +262,7 @@ def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
         ("limit=" + "1" * 5000, "limit"),  # over int()'s digit limit
         ("order=up", "order"),
         ("after=x", "after"),
+        ("before=x", "before"),
     ],
 )
 def test_input_items_bad_queries_are_400(http_nolife: TestClient, query: str, param: str) -> None:
