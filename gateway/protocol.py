@@ -346,7 +346,7 @@ def _as_prompts(prompt: Any) -> list[PromptInput]:
 
 # What the house stream cannot carry (one choice, text only): refused unless unused.
 _HOUSE_CANNOT = ("messages", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
-_HOUSE_SKIPS = ("stream", "stream_options")  # it always streams, and sends no usage
+_HOUSE_SKIPS = ("stream",)  # it always streams
 
 
 class HouseChatRequest(_Request):
@@ -367,6 +367,11 @@ class HouseChatRequest(_Request):
                 raise InvalidRequest(
                     f"'{name}' is not supported by POST /chat; use /v1/chat/completions", param=name
                 )
+        options = extra.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") not in (None, False):
+            raise InvalidRequest(
+                "the house stream format carries no usage chunk", param="stream_options.include_usage"
+            )
         return self
 
     @property

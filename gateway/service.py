@@ -336,6 +336,7 @@ class ChatService:
         try:
             chat = ChatCompletionRequest(
                 messages=[{"role": "user", "content": request.question}],
+                stream=True,  # the house format always streams (chat checks stream_options under it)
                 max_tokens=request.max_tokens,
                 temperature=request.temperature,
                 **request.chat_fields,

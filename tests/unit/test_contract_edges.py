@@ -154,6 +154,9 @@ async def test_house_chat_passes_sampling_fields_on(serve: Serve) -> None:
         ("messages", MSG, "messages"),
         ("top_p", 5, "top_p"),  # chat's own check, named
         ("bad_words", ["x"], "bad_words"),
+        # README: a usage chunk is a 400 on POST /chat too (it always streams, with no usage)
+        ("stream_options", {"include_usage": True}, "stream_options.include_usage"),
+        ("stream_options", {"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
     ],
 )
 async def test_house_chat_refuses_by_name(serve: Serve, name: str, value: Any, param: str) -> None:
