@@ -209,11 +209,17 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
     return 0
 
 
+class _BadInput(Exception):
+    """A message the gateway could not be sent (the CLI says so and exits 1)."""
+
+
 def _chat(args: argparse.Namespace) -> int:
     import httpx
 
     if not args.url.lower().startswith(("http://", "https://")):
         raise ConfigError(f"--url must start with http:// or https:// (got {args.url!r})")
+    if args.api_key and not (args.api_key.isascii() and args.api_key.isprintable()):
+        raise ConfigError("--api-key must be printable ASCII (it is sent in an HTTP header)")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
@@ -221,6 +227,15 @@ def _chat(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"error: {args.url}: {exc}", file=sys.stderr)
         return 1
+    except _BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except UnicodeError as exc:  # a host name IDNA refuses ("a..b"), which httpx lets through
+        print(f"error: {args.url}: not a valid host name ({exc})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: leaving the stream closes it, which stops the answer
+        print(flush=True)
+        return 130
 
 
 def _converse(client: Any, args: argparse.Namespace) -> int:
@@ -231,6 +246,7 @@ def _converse(client: Any, args: argparse.Namespace) -> int:
         text = one_shot or _ask()
         if text is None:
             return 0
+        _check_utf8(text)
         history.append({"role": "user", "content": text})
         body: dict[str, Any] = {"model": model, "messages": history, "stream": True}
         if args.task:
@@ -298,4 +314,14 @@ def _ask() -> str | None:
         text = input("> ").strip()
     except EOFError:
         return None
+    except UnicodeDecodeError:
+        raise _BadInput("the input is not valid UTF-8") from None
     return text or _ask()
+
+
+def _check_utf8(text: str) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates, which no JSON body carries."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _BadInput("the message is not valid UTF-8") from None

@@ -1,10 +1,16 @@
-"""The command line: --help everywhere, adapters list/validate without an engine."""
+"""The command line: --help everywhere, adapters list/validate and chat's errors without an engine."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +70,81 @@ def test_serve_refuses_several_workers() -> None:
     assert done.returncode == 2
     assert done.stderr.startswith("error: server.workers:") and "replicas" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# -- chat: clear errors and exit codes, never a traceback ------------------------------------
+CLOSED = "http://127.0.0.1:9"  # nothing listens there: these fail before any request
+
+
+def chat_bytes(*args: bytes | str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    """``python -m gateway chat`` with arguments and input that may not be UTF-8."""
+    cmd = [
+        sys.executable.encode(),
+        b"-m",
+        b"gateway",
+        b"chat",
+        *(a if isinstance(a, bytes) else a.encode() for a in args),
+    ]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, input=stdin, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "code", "message"),
+    [
+        (["--url", "http://a..b:8000", "hi"], b"", 1, b"not a valid host name"),
+        (["--url", "http://xn--a.com", "hi"], b"", 1, b"not a valid host name"),
+        (["--url", CLOSED, "--model", "m", b"caf\xe9"], b"", 1, b"the message is not valid UTF-8"),
+        (["--url", CLOSED, "--model", "m"], b"caf\xe9\n", 1, b"not valid UTF-8"),
+        (["--url", CLOSED, "--api-key", "cl\u00e9", "hi"], b"", 2, b"--api-key must be printable ASCII"),
+    ],
+)
+def test_chat_bad_input_is_one_error_line(
+    args: list[bytes | str], stdin: bytes, code: int, message: bytes
+) -> None:
+    done = chat_bytes(*args, stdin=stdin)
+    assert done.returncode == code, done.stderr
+    assert message in done.stderr and b"Traceback" not in done.stderr
+
+
+class _SlowStream(BaseHTTPRequestHandler):
+    """A gateway that starts an answer and never finishes it."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("x-adapter", "slow")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Once upon"}, "finish_reason": None}]}
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.flush()
+        time.sleep(30)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_chat_ctrl_c_mid_answer_exits_130_without_a_traceback() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowStream)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cmd = [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", "Tell me a story"]
+    # SIGINT as a terminal sends it (a shell may start tests with it ignored)
+    child = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.read(len(b"[slow] Once upon")) == b"[slow] Once upon"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        server.shutdown()
+    assert child.returncode == 130, err
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
