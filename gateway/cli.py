@@ -258,7 +258,11 @@ def _converse(client: Any, args: argparse.Namespace) -> int:
                 print(f"error {response.status_code}: {_error_message(response)}", file=sys.stderr)
                 return 1
             print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
+            finished = False
             for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    finished = True
+                    break
                 if not line.startswith("data: {"):
                     continue
                 try:
@@ -274,6 +278,12 @@ def _converse(client: Any, args: argparse.Namespace) -> int:
                     answer.append(piece)
                     print(piece, end="", flush=True)
         print()
+        if not finished:  # a proxy's 200 page, or a connection closed cleanly mid-answer
+            print(
+                "error: the stream ended without its [DONE] line: the answer may be cut short",
+                file=sys.stderr,
+            )
+            return 1
         history.append({"role": "assistant", "content": "".join(answer)})
         if one_shot:
             return 0

@@ -312,7 +312,7 @@ def test_cli_chat_reads_past_a_model_list_that_is_not_json(
 ) -> None:
     fake_gateway.models_reply = (200, "text/html", b"<html>a proxy page</html>")
     chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}
-    fake_gateway.reply = (200, "text/event-stream", f"data: {json.dumps(chunk)}\n\n".encode())
+    fake_gateway.reply = (200, "text/event-stream", f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
     assert main(["chat", "--url", fake_gateway.url, "hi"]) == 0  # no --model: the list is read
     assert capsys.readouterr().out == "[None] Hi\n"
 
@@ -323,3 +323,17 @@ def test_cli_chat_reports_an_unreadable_event(
     fake_gateway.reply = (200, "text/event-stream", b"data: {not json\n\n")
     assert main(chat(fake_gateway.url)) == 1
     assert capsys.readouterr().err == "error: unreadable event: {not json\n"
+
+
+def test_cli_chat_stream_cut_short_is_an_error(
+    fake_gateway: FakeGateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stream whose body ends before ``data: [DONE]`` (a connection closed cleanly mid-answer,
+    a proxy's 200 page) is not a whole answer."""
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Once"}}]}
+    fake_gateway.reply = (200, "text/event-stream", f"data: {json.dumps(chunk)}\n\n".encode())
+    assert main(chat(fake_gateway.url)) == 1
+    out, err = capsys.readouterr()
+    assert out == "[None] Once\n" and "ended without its [DONE] line" in err
+    fake_gateway.reply = (200, "text/html", b"<html>a proxy page</html>")
+    assert main(chat(fake_gateway.url)) == 1
