@@ -343,7 +343,12 @@ class ChatService:
             )
         except ValidationError as exc:
             raise invalid_request(exc) from None
-        return await self.chat(chat, lease)
+        try:
+            return await self.chat(chat, lease)
+        except InvalidRequest as exc:  # the chat path names its messages: here, the question
+            if exc.param is not None and exc.param.split(".")[0] == "messages":
+                exc.param = "question"
+            raise
 
     # -- helpers --------------------------------------------------------------------
     def _chat_text(

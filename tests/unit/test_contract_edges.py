@@ -165,6 +165,15 @@ async def test_house_chat_refuses_by_name(serve: Serve, name: str, value: Any, p
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+async def test_house_chat_errors_name_the_question_not_messages(serve: Serve) -> None:
+    """POST /chat has no ``messages``: a prompt too long for the context names ``question``."""
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi " * 200})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "question"
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
