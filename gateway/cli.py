@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -236,6 +237,9 @@ def _chat(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: leaving the stream closes it, which stops the answer
         print(flush=True)
         return 130
+    except BrokenPipeError:  # stdout closed (``| head``): stop quietly, as SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141
 
 
 def _converse(client: Any, args: argparse.Namespace) -> int:

@@ -124,6 +124,48 @@ class _SlowStream(BaseHTTPRequestHandler):
         pass
 
 
+class _LongStream(BaseHTTPRequestHandler):
+    """A gateway that streams a long answer, a word every 10 ms."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "word "}, "finish_reason": None}]}
+        for _ in range(1000):
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.flush()
+            time.sleep(0.01)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_chat_into_a_closed_pipe_stops_quietly() -> None:
+    """``python -m gateway chat ... | head -c 20``: no BrokenPipeError traceback."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _LongStream)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cmd = [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", "Tell me a story"]
+    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stderr is not None
+        assert child.stdout.read(20)
+        child.stdout.close()  # as head does once it has its bytes
+        err = child.stderr.read()
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+        child.stderr.close()  # type: ignore[union-attr]
+        server.shutdown()
+        server.server_close()
+    assert child.returncode == 141, err
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err
+
+
 def test_chat_ctrl_c_mid_answer_exits_130_without_a_traceback() -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowStream)
     server.daemon_threads = True
