@@ -243,54 +243,62 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _converse(client: Any, args: argparse.Namespace) -> int:
+    """One answer (status 0 or 1), or a session until end of input. A turn that fails is
+    reported and left out of the history, and the session goes on; its status is then 1."""
     history: list[dict[str, str]] = []
     one_shot = " ".join(args.message)
     model = args.model or (None if args.task else _base_model(client))
+    failed = False
     while True:
         text = one_shot or _ask()
         if text is None:
-            return 0
+            return 1 if failed else 0
         _check_utf8(text)
-        history.append({"role": "user", "content": text})
-        body: dict[str, Any] = {"model": model, "messages": history, "stream": True}
+        body: dict[str, Any] = {"model": model, "messages": [*history, {"role": "user", "content": text}]}
         if args.task:
             body["task"] = args.task
-        answer = []
-        with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                print(f"error {response.status_code}: {_error_message(response)}", file=sys.stderr)
-                return 1
-            print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
-            finished = False
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    finished = True
-                    break
-                if not line.startswith("data: {"):
-                    continue
-                try:
-                    event = json.loads(line[6:])
-                except ValueError:
-                    event = {"error": {"message": f"unreadable event: {line[6:206]}"}}
-                if "error" in event:  # the stream failed after it started
-                    print()
-                    print(f"error: {_message(event, line[6:206])}", file=sys.stderr)
-                    return 1
-                for choice in event.get("choices", []):
-                    piece = choice["delta"].get("content") or ""
-                    answer.append(piece)
-                    print(piece, end="", flush=True)
-        print()
-        if not finished:  # a proxy's 200 page, or a connection closed cleanly mid-answer
-            print(
-                "error: the stream ended without its [DONE] line: the answer may be cut short",
-                file=sys.stderr,
-            )
-            return 1
-        history.append({"role": "assistant", "content": "".join(answer)})
+        answer = _answer(client, body)
         if one_shot:
-            return 0
+            return 0 if answer is not None else 1
+        if answer is None:
+            failed = True
+            continue
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+
+
+def _answer(client: Any, body: dict[str, Any]) -> str | None:
+    """Stream one answer to stdout; None, with the error on stderr, if it failed."""
+    pieces = []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            response.read()
+            print(f"error {response.status_code}: {_error_message(response)}", file=sys.stderr)
+            return None
+        print(f"[{response.headers.get('x-adapter')}] ", end="", flush=True)
+        finished = False
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                finished = True
+                break
+            if not line.startswith("data: {"):
+                continue
+            try:
+                event = json.loads(line[6:])
+            except ValueError:
+                event = {"error": {"message": f"unreadable event: {line[6:206]}"}}
+            if "error" in event:  # the stream failed after it started
+                print()
+                print(f"error: {_message(event, line[6:206])}", file=sys.stderr)
+                return None
+            for choice in event.get("choices", []):
+                piece = choice["delta"].get("content") or ""
+                pieces.append(piece)
+                print(piece, end="", flush=True)
+    print()
+    if not finished:  # a proxy's 200 page, or a connection closed cleanly mid-answer
+        print("error: the stream ended without its [DONE] line: the answer may be cut short", file=sys.stderr)
+        return None
+    return "".join(pieces)
 
 
 def _error_message(response: Any) -> str:

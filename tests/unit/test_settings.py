@@ -4,10 +4,12 @@ from settings and from the CLI (``chat`` included)."""
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,6 +232,7 @@ class FakeGateway(http.server.ThreadingHTTPServer):
 
     reply = (200, "application/json", b"{}")
     models_reply = (200, "application/json", b'{"data": []}')  # GET /v1/models
+    posted: list[Any]  # the bodies of the POSTs, in order (set by the fixture)
 
     @property
     def url(self) -> str:
@@ -243,7 +246,7 @@ class _Reply(http.server.BaseHTTPRequestHandler):
         self._send(*self.server.models_reply)
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.server.posted.append(json.loads(self.rfile.read(int(self.headers.get("content-length") or 0))))
         self._send(*self.server.reply)
 
     def _send(self, status: int, ctype: str, body: bytes) -> None:
@@ -260,6 +263,7 @@ class _Reply(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_gateway() -> Iterator[FakeGateway]:
     with FakeGateway(("127.0.0.1", 0), _Reply) as server:
+        server.posted = []
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         yield server
@@ -337,3 +341,19 @@ def test_cli_chat_stream_cut_short_is_an_error(
     assert out == "[None] Once\n" and "ended without its [DONE] line" in err
     fake_gateway.reply = (200, "text/html", b"<html>a proxy page</html>")
     assert main(chat(fake_gateway.url)) == 1
+
+
+def test_cli_chat_session_goes_on_after_a_failed_turn(
+    fake_gateway: FakeGateway, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interactive session reports a refused turn (here a 429) and asks again, without it in
+    the history; its status at the end of input is 1."""
+    error = {"error": {"message": "over capacity", "type": "rate_limit_error", "param": None, "code": None}}
+    fake_gateway.reply = (429, "application/json", json.dumps(error).encode())
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\nsecond\n"))
+    assert main(["chat", "--url", fake_gateway.url, "--model", "m"]) == 1
+    assert capsys.readouterr().err == "error 429: over capacity\n" * 2
+    assert [body["messages"] for body in fake_gateway.posted] == [
+        [{"role": "user", "content": "first"}],
+        [{"role": "user", "content": "second"}],
+    ]
