@@ -35,6 +35,7 @@ from gateway.protocol import (
     SamplingFields,
     invalid_request,
 )
+from gateway.read_ahead import ReadAhead
 from gateway.settings import LimitSettings
 from gateway.structured import choose, describe, request_constraint
 from gateway.tokenizing import PromptTokenizer
@@ -140,13 +141,17 @@ class Generation:
         lasts: dict[int, float] | None = {} if self._more_prompts else None
         n = self.sampling.n
         ticket: Ticket | None = None
+        source: AsyncIterator[StepOutput] | None = None
         try:
             if self._scheduler is not None:
                 ticket = await self._scheduler.turn(self.route, self.caller)
             started = self.reached_engine = True
             if self.on_engine is not None:
                 self.on_engine()
-            async for step in self._engine_steps():
+            source = self._engine_steps()
+            if ticket is not None:  # the turn ends when the engine is done, not the client
+                source = ReadAhead(source, ticket.release)
+            async for step in source:
                 now = time.monotonic()
                 if lasts is not None:
                     for prompt in {chunk.index // n for chunk in step.chunks}:
@@ -163,6 +168,8 @@ class Generation:
                 finished = step.finished
                 yield step
         finally:
+            if isinstance(source, ReadAhead):
+                source.close()
             if started and not finished:
                 # The consumer left early (disconnect, error). Abort in a task of its own:
                 # awaiting here could be cancelled again before the engine hears of it.

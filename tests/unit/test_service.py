@@ -280,7 +280,7 @@ class SlowAbortEngine(FakeEngine):
     """Aborts wait for ``abort_gate``: the engine has not heard of them yet."""
 
     def __init__(self) -> None:
-        super().__init__(words=["a"] * 5, delay=0.01)
+        super().__init__(words=["a"] * 100, delay=0.01)  # still running when its client leaves
         self.abort_gate = asyncio.Event()
 
     async def abort(self, request_id: str) -> None:
@@ -316,3 +316,28 @@ async def test_a_request_that_leaves_gives_up_its_adapters_turn_after_the_abort(
     await asyncio.wait_for(task_b, 5)
     assert engine.aborted == [gen_a.id] and [lora.name for *_, lora in engine.calls if lora] == ["a", "b"]
     assert 1 not in catalog._in_use
+
+
+async def test_a_stalled_reader_gives_up_its_adapters_turn_once_the_engine_is_done() -> None:
+    """vLLM runs a request to its end however slowly its client reads. A client that stops
+    reading (its TCP window full, the gateway's send blocked) must not hold its adapter's
+    turn after that: with one slot, b would wait for a's client (or for max_wait_s)."""
+    engine = FakeEngine(words=["a"] * 5, delay=0.01)
+    scheduler = LoraScheduler(1, quantum_s=60.0, max_wait_s=60.0)
+    a, b = (
+        Route(name=n, kind="lora", lora=LoraSpec(name=n, lora_id=i, path="/x"))
+        for i, n in ((1, "a"), (2, "b"))
+    )
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"a": a, "b": b}, errors={})
+    catalog = Catalog(lambda ids: table)
+    service = ChatService(engine, LimitSettings(), scheduler)
+    gen_a = await service.chat(chat(model="a"), catalog.acquire("a"))
+    steps = gen_a.steps()
+    first = await steps.__anext__()  # a's client reads one step, then stops reading
+    gen_b = await service.chat(chat(model="b"), catalog.acquire("b"))
+    result = await asyncio.wait_for(gen_b.collect(), 5)  # b has its turn while a's client stalls
+    assert "".join(result.choices[0].text) == "a" * 5
+    rest = [step async for step in steps]  # a's client reads on: what it missed, merged
+    assert [first.chunks[0].text, *(s.chunks[0].text for s in rest)] == ["a", "aaaa"]
+    assert rest[-1].finished and rest[-1].chunks[0].num_tokens == 4 and gen_a.completion_tokens == 5
+    assert engine.aborted == [] and scheduler.snapshot()["active"] == {} and catalog.in_use() == {}

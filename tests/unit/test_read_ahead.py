@@ -1,0 +1,65 @@
+"""``ReadAhead``: an engine stream read to its end while its consumer stalls."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.errors import EngineFailed
+from gateway.read_ahead import ReadAhead
+from gateway.types import Chunk, StepOutput, TokenLogprob
+
+
+async def engine(steps: list[StepOutput], fail: bool = False) -> AsyncIterator[StepOutput]:
+    for step in steps:
+        await asyncio.sleep(0)
+        yield step
+    if fail:
+        raise EngineFailed("the engine failed to process the request")
+
+
+def step(texts: list[str], finished: bool = False) -> StepOutput:
+    chunks = [
+        Chunk(i, t, 1, "length" if finished else None, [TokenLogprob(t, -1.0)]) for i, t in enumerate(texts)
+    ]
+    return StepOutput(chunks, 3, finished, [TokenLogprob("p", None)] if texts[0] == "a" else None)
+
+
+async def test_steps_not_taken_are_merged_by_choice_and_the_end_is_seen_at_once() -> None:
+    ended = asyncio.Event()
+    ahead = ReadAhead(engine([step(["a", "x"]), step(["b", "y"]), step(["c", "z"], True)]), ended.set)
+    await asyncio.wait_for(ended.wait(), 1)  # nothing taken yet: the engine is done all the same
+    merged = [s async for s in ahead]
+    assert len(merged) == 1 and merged[0].finished and merged[0].prompt_logprobs is not None
+    assert [(c.index, c.text, c.num_tokens, c.finish_reason) for c in merged[0].chunks] == [
+        (0, "abc", 3, "length"),
+        (1, "xyz", 3, "length"),
+    ]
+    assert [t.token for t in merged[0].chunks[1].logprobs or []] == ["x", "y", "z"]
+
+
+async def test_an_engine_error_comes_after_the_steps_before_it() -> None:
+    ahead = ReadAhead(engine([step(["a"])], fail=True), lambda: None)
+    await asyncio.sleep(0.01)
+    assert (await ahead.__anext__()).chunks[0].text == "a"
+    with pytest.raises(EngineFailed):
+        await ahead.__anext__()
+
+
+async def test_close_stops_the_reading_and_on_end_never_runs() -> None:
+    ended: list[bool] = []
+    gate = asyncio.Event()
+
+    async def held() -> AsyncIterator[StepOutput]:
+        yield step(["a"])
+        await gate.wait()
+        yield step(["b"], True)
+
+    ahead = ReadAhead(held(), lambda: ended.append(True))
+    await ahead.__anext__()
+    ahead.close()
+    gate.set()
+    await asyncio.sleep(0.01)
+    assert ended == []
