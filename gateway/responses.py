@@ -140,8 +140,10 @@ class SSEResponse(StreamingResponse):
             done, _ = await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
             # uvicorn answers http.disconnect as soon as a response is complete, so both
             # can be done at once: only a stream cut short (or failing to send) means that
-            # the client left.
-            left = stream not in done or (gone in done and stream.exception() is not None)
+            # the client left. A failed send is enough: uvicorn tells a disconnect only to a
+            # connection's latest request, so a stream with requests pipelined behind it
+            # never hears of it (its send fails on the closed transport).
+            left = stream not in done or stream.exception() is not None
             if left and self.record is not None:
                 self.record.disconnected = True
         finally:

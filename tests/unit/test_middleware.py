@@ -420,6 +420,33 @@ async def test_a_client_leaving_mid_stream_is_499_like_one_leaving_a_whole_respo
     assert_counted_as(served, "499")
 
 
+async def test_a_client_gone_while_its_disconnect_is_never_told_is_499_and_aborted(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn tells a disconnect only to a connection's latest request: with pipelined requests
+    the running stream never hears it, and its next send fails (uvloop: the transport is
+    closed). That stream was cut short by its client: 499 and aborted, not a 200."""
+    served = await serve(FakeEngine(words=["a"] * 50, delay=0.01))
+    body = json.dumps(chat_body("base", stream=True)).encode()
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
+    chunks = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal chunks
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks += 1
+            if chunks >= 3:
+                raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    with caplog.at_level(logging.INFO):
+        receive = body_then_disconnect(body, asyncio.Event())  # never answers the disconnect
+        await served.app(http_scope("/v1/chat/completions", headers), receive, send)
+    access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
+    assert_counted_as(served, "499")
+    await eventually_async(lambda: len(served.engine.aborted) == 1, 5, "the engine request aborted")
+
+
 def assert_counted_as(served: Served, status: str) -> None:
     """One streamed request on the base route, counted under ``status`` and not as a 200,
     and kept out of the latency of successes."""
