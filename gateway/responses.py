@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import (
     GatewayError,
@@ -124,9 +125,12 @@ class SSEResponse(StreamingResponse):
         headers: dict[str, str],
         record: RequestRecord | None,
         on_close: Callable[[], None] | None = None,
+        *,
+        send_timeout_s: float,
     ) -> None:
         self.record = record
         self.on_close = on_close  # runs however the stream ends, even if it never started
+        self.send_timeout_s = send_timeout_s
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -134,10 +138,12 @@ class SSEResponse(StreamingResponse):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
+        watch = _SendWatch(send)
+        stream = asyncio.ensure_future(self.stream_response(watch.send))
         gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        stalled = asyncio.ensure_future(watch.stalled(self.send_timeout_s))
         try:
-            done, _ = await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({stream, gone, stalled}, return_when=asyncio.FIRST_COMPLETED)
             # uvicorn answers http.disconnect as soon as a response is complete, so both
             # can be done at once: only a stream cut short (or failing to send) means that
             # the client left. A failed send is enough: uvicorn tells a disconnect only to a
@@ -147,18 +153,46 @@ class SSEResponse(StreamingResponse):
             if left and self.record is not None:
                 self.record.disconnected = True
         finally:
-            for task in (stream, gone):
+            for task in (stream, gone, stalled):
                 task.cancel()
-            with suppress(BaseException):
-                await stream
-            with suppress(BaseException):
-                await gone
+            for task in (stream, gone, stalled):
+                with suppress(BaseException):
+                    await task
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 with suppress(BaseException):
                     await aclose()
             if self.on_close is not None:
                 self.on_close()
+
+
+class _SendWatch:
+    """A stream's ``send``, timed: ``stalled`` returns once one send has been blocked for
+    ``timeout`` seconds. A client that stops reading (a full TCP window) blocks uvicorn's send
+    but never disconnects, and would hold its admission slot and route lease for as long as
+    its connection stays open; past ``limits.send_timeout_s`` it counts as gone (nginx's
+    ``send_timeout``). A client that reads, however slowly, is never cut."""
+
+    __slots__ = ("_send", "since")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.since: float | None = None  # when the send in progress began
+
+    async def send(self, message: Message) -> None:
+        self.since = time.monotonic()
+        try:
+            await self._send(message)
+        finally:
+            self.since = None
+
+    async def stalled(self, timeout: float) -> None:
+        while True:
+            since = self.since
+            left = timeout if since is None else since + timeout - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(left)
 
 
 async def _until_disconnect(receive: Receive) -> None:

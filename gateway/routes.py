@@ -150,7 +150,9 @@ async def create_response(request: Request) -> Response:
             record.response_id = draft.id
         encoder = ResponseEventEncoder(draft) if gen.tools.mode == "none" else ResponseToolEncoder(draft)
         events = stream_events(gen, encoder, save if body.store else None)
-        return SSEResponse(events, route_headers(gen), record, gen.close)
+        return SSEResponse(
+            events, route_headers(gen), record, gen.close, send_timeout_s=gw.settings.limits.send_timeout_s
+        )
     record = _track(request, gen, False, prompt)
     if record is not None:
         record.response_id = draft.id
@@ -283,7 +285,14 @@ def _track(
 
 def _stream(request: Request, gen: Generation, encoder: StreamEncoder, prompt: Callable[[], Any]) -> Response:
     record = _track(request, gen, True, prompt)
-    return SSEResponse(encode_stream(gen, encoder), route_headers(gen), record, gen.close)
+    limits = _gateway(request).settings.limits
+    return SSEResponse(
+        encode_stream(gen, encoder),
+        route_headers(gen),
+        record,
+        gen.close,
+        send_timeout_s=limits.send_timeout_s,
+    )
 
 
 async def _whole(

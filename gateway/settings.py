@@ -147,6 +147,11 @@ class LimitSettings(_Section):
         gt=0,
         description="the whole request body must arrive within it; else 408 (a stalled upload holds a slot)",
     )
+    send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a stream whose client takes no data this long is ended as a client that left (499)",
+    )
     max_n: int = Field(8, ge=1)
     max_stop: int = Field(8, ge=0)
     max_logprobs: int = Field(20, ge=0)

@@ -447,6 +447,59 @@ async def test_a_client_gone_while_its_disconnect_is_never_told_is_499_and_abort
     await eventually_async(lambda: len(served.engine.aborted) == 1, 5, "the engine request aborted")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/chat"])
+async def test_a_client_that_stops_reading_is_ended_after_the_send_timeout(
+    serve: Serve, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    """A client that stops reading (a full TCP window) blocks the stream's send and never
+    disconnects: it held its admission slot for as long as its connection stayed open, so a
+    few such clients made every other request a 429. Past limits.send_timeout_s it is a
+    client that left: 499, aborted in the engine, its slot free."""
+    served = await serve(
+        FakeEngine(words=["a"] * 500, delay=0.005), limits__max_inflight=1, limits__send_timeout_s=0.3
+    )
+    request = chat_body("base", stream=True) if path != "/chat" else {"question": "hi"}
+    body = json.dumps(request).encode()
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
+    chunks = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal chunks
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks += 1
+            if chunks >= 3:
+                await asyncio.Event().wait()  # the client reads no more
+
+    with caplog.at_level(logging.INFO):
+        receive = body_then_disconnect(body, asyncio.Event())  # never disconnects
+        await asyncio.wait_for(served.app(http_scope(path, headers), receive, send), 5)
+    access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
+    await eventually_async(lambda: len(served.engine.aborted) == 1, 5, "the engine request aborted")
+    assert served.gw.admission.inflight == 0
+    again = await served.http.post("/v1/chat/completions", json=chat_body("base", max_tokens=2))
+    assert again.status_code == 200
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_cut(serve: Serve) -> None:
+    """The send timeout bounds one blocked send, not the stream: a client taking each chunk
+    a little late, for longer than the timeout in all, gets the whole answer."""
+    served = await serve(FakeEngine(words=["a"] * 12), limits__send_timeout_s=0.2)
+    body = json.dumps(chat_body("base", stream=True)).encode()
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(0.05)  # 12+ chunks: well over 0.2 s in all
+            sent.append(message.get("body", b""))
+
+    receive = body_then_disconnect(body, asyncio.Event())
+    await asyncio.wait_for(served.app(http_scope("/v1/chat/completions", headers), receive, send), 5)
+    assert b"data: [DONE]" in b"".join(sent)
+    assert served.engine.aborted == []
+
+
 def assert_counted_as(served: Served, status: str) -> None:
     """One streamed request on the base route, counted under ``status`` and not as a 200,
     and kept out of the latency of successes."""
