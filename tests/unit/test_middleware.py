@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -427,20 +427,12 @@ async def test_a_client_gone_while_its_disconnect_is_never_told_is_499_and_abort
     the running stream never hears it, and its next send fails (uvloop: the transport is
     closed). That stream was cut short by its client: 499 and aborted, not a 200."""
     served = await serve(FakeEngine(words=["a"] * 50, delay=0.01))
-    body = json.dumps(chat_body("base", stream=True)).encode()
-    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
-    chunks = 0
 
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal chunks
-        if message["type"] == "http.response.body" and message.get("body"):
-            chunks += 1
-            if chunks >= 3:
-                raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+    async def closed() -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
 
     with caplog.at_level(logging.INFO):
-        receive = body_then_disconnect(body, asyncio.Event())  # never answers the disconnect
-        await served.app(http_scope("/v1/chat/completions", headers), receive, send)
+        await stream_by_hand(served, "/v1/chat/completions", chat_body("base", stream=True), closed)
     access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
     assert_counted_as(served, "499")
@@ -459,20 +451,12 @@ async def test_a_client_that_stops_reading_is_ended_after_the_send_timeout(
         FakeEngine(words=["a"] * 500, delay=0.005), limits__max_inflight=1, limits__send_timeout_s=0.3
     )
     request = chat_body("base", stream=True) if path != "/chat" else {"question": "hi"}
-    body = json.dumps(request).encode()
-    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
-    chunks = 0
 
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal chunks
-        if message["type"] == "http.response.body" and message.get("body"):
-            chunks += 1
-            if chunks >= 3:
-                await asyncio.Event().wait()  # the client reads no more
+    async def full_window() -> None:
+        await asyncio.Event().wait()  # the client reads no more
 
     with caplog.at_level(logging.INFO):
-        receive = body_then_disconnect(body, asyncio.Event())  # never disconnects
-        await asyncio.wait_for(served.app(http_scope(path, headers), receive, send), 5)
+        await asyncio.wait_for(stream_by_hand(served, path, request, full_window), 5)
     access = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
     assert [(a["status"], a["client_disconnected"]) for a in access] == [(499, True)]
     await eventually_async(lambda: len(served.engine.aborted) == 1, 5, "the engine request aborted")
@@ -498,6 +482,26 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut(serve: Serve) -> None
     await asyncio.wait_for(served.app(http_scope("/v1/chat/completions", headers), receive, send), 5)
     assert b"data: [DONE]" in b"".join(sent)
     assert served.engine.aborted == []
+
+
+async def stream_by_hand(
+    served: Served, path: str, request: dict[str, Any], then: Callable[[], Awaitable[None]]
+) -> None:
+    """One request through the app from a client that, from the third body chunk on, runs
+    ``then`` in each send (raise: the transport closed; wait: it stopped reading) and never
+    tells of a disconnect."""
+    body = json.dumps(request).encode()
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(body))}
+    chunks = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal chunks
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks += 1
+            if chunks >= 3:
+                await then()
+
+    await served.app(http_scope(path, headers), body_then_disconnect(body, asyncio.Event()), send)
 
 
 def assert_counted_as(served: Served, status: str) -> None:

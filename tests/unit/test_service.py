@@ -288,19 +288,23 @@ class SlowAbortEngine(FakeEngine):
         await super().abort(request_id)
 
 
-async def test_a_request_that_leaves_gives_up_its_adapters_turn_after_the_abort() -> None:
-    """With one slot, b's adapter gets its turn only once a's abort reached the engine: before
-    that a's request may still run there, and (with a pinned slot) vLLM dies of a batch with
-    more unpinned adapters than free slots. The retired-version lease waits for it too."""
-    engine = SlowAbortEngine()
+def two_adapters_one_slot(engine: FakeEngine) -> tuple[ChatService, Catalog, LoraScheduler]:
+    """Routes ``a`` and ``b`` on two adapters, and one adapter slot in the scheduler."""
     scheduler = LoraScheduler(1, quantum_s=60.0, max_wait_s=60.0)
     a, b = (
         Route(name=n, kind="lora", lora=LoraSpec(name=n, lora_id=i, path="/x"))
         for i, n in ((1, "a"), (2, "b"))
     )
     table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"a": a, "b": b}, errors={})
-    catalog = Catalog(lambda ids: table)
-    service = ChatService(engine, LimitSettings(), scheduler)
+    return ChatService(engine, LimitSettings(), scheduler), Catalog(lambda ids: table), scheduler
+
+
+async def test_a_request_that_leaves_gives_up_its_adapters_turn_after_the_abort() -> None:
+    """With one slot, b's adapter gets its turn only once a's abort reached the engine: before
+    that a's request may still run there, and (with a pinned slot) vLLM dies of a batch with
+    more unpinned adapters than free slots. The retired-version lease waits for it too."""
+    engine = SlowAbortEngine()
+    service, catalog, scheduler = two_adapters_one_slot(engine)
     gen_a = await service.chat(chat(model="a"), catalog.acquire("a"))
     steps = gen_a.steps()
     await steps.__anext__()
@@ -323,14 +327,7 @@ async def test_a_stalled_reader_gives_up_its_adapters_turn_once_the_engine_is_do
     reading (its TCP window full, the gateway's send blocked) must not hold its adapter's
     turn after that: with one slot, b would wait for a's client (or for max_wait_s)."""
     engine = FakeEngine(words=["a"] * 5, delay=0.01)
-    scheduler = LoraScheduler(1, quantum_s=60.0, max_wait_s=60.0)
-    a, b = (
-        Route(name=n, kind="lora", lora=LoraSpec(name=n, lora_id=i, path="/x"))
-        for i, n in ((1, "a"), (2, "b"))
-    )
-    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"a": a, "b": b}, errors={})
-    catalog = Catalog(lambda ids: table)
-    service = ChatService(engine, LimitSettings(), scheduler)
+    service, catalog, scheduler = two_adapters_one_slot(engine)
     gen_a = await service.chat(chat(model="a"), catalog.acquire("a"))
     steps = gen_a.steps()
     first = await steps.__anext__()  # a's client reads one step, then stops reading
