@@ -14,7 +14,8 @@ it hands the engine work for at most ``slots`` adapters at a time:
 - The choice is weighted fair queuing over *turns* (a turn: an adapter gets a slot with
   its queue), in two levels. Each turn advances its route's virtual time by 1 / weight,
   and that of each API key with a request in it by 1 / the key's weight; a flow that was
-  idle starts again from the virtual clock (no banked credit). The slot goes to the key
+  idle starts again from the virtual clock (no banked credit), and once nothing is active
+  or waiting every flow starts level (no debt from an earlier burst). The slot goes to the key
   with the lowest virtual time among those waiting (the oldest request breaks ties), and
   among that key's waiting requests to the route with the lowest (again the oldest
   first). With equal weights and steady demand this is first come, first served over
@@ -235,6 +236,7 @@ class LoraScheduler:
         adapter.granted_at = None
         adapter.draining = False
         del self._active[adapter.lora_id]
+        self._level_if_idle()
         rooms, self._room = self._room, []
         for room in rooms:
             if not room.done():
@@ -302,6 +304,13 @@ class LoraScheduler:
                 del self._waiting[adapter.lora_id]
                 if adapter.inflight == 0 and adapter.granted_at is None:
                     self._adapters.pop(adapter.lora_id, None)
+                self._level_if_idle()
+
+    def _level_if_idle(self) -> None:
+        """Nothing active, nothing waiting: the contention is over, and every route and key
+        starts the next one level (turns from before the gap are not charged again)."""
+        if not self._active and not self._waiting:
+            self._share.level()
 
     # -- bounded wait -----------------------------------------------------------------
     def expire(self) -> int:
@@ -393,6 +402,13 @@ class _FairShare:
         self._keys: dict[str, float] = {}
         self._route_clock = 0.0  # the virtual time of the last flow served, per level
         self._key_clock = 0.0
+
+    def level(self) -> None:
+        """Forget all turns: at the end of a busy period every flow is level again (as in
+        start-time fair queuing, where the virtual clock then moves past every finish tag)."""
+        self._routes.clear()
+        self._keys.clear()
+        self._route_clock = self._key_clock = 0.0
 
     def _route(self, adapter: _Adapter) -> float:
         return max(self._routes.get(adapter.lora_id, 0.0), self._route_clock)

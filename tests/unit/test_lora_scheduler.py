@@ -257,6 +257,38 @@ async def test_fair_across_keys_before_routes() -> None:
     assert r.order[-1] == "o"  # flood's B came before o, but flood has had a turn
 
 
+async def test_turns_from_before_an_idle_gap_are_not_charged_again() -> None:
+    """Once nothing runs or waits, every route and key starts level: a flow served last in
+    an earlier burst does not lose to a later arrival (seen live: bullets, arriving after
+    shout, went first because shout had the last turn of a burst a minute before)."""
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("a0", A)
+    await r.ask("b0", B)
+    await r.release("a0")
+    await r.release("b0")  # idle: nothing active, nothing waiting
+    await r.ask("x", D)
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    await r.release("x")
+    assert r.order[-1] == "b1"  # equal weights, one key: first come, first served
+
+
+async def test_a_key_served_before_an_idle_gap_is_not_behind_a_flooding_key() -> None:
+    """Seen live: a key with one request waited for a flooding key's second adapter,
+    because its own turns of a burst before the idle gap still counted."""
+    s = make(slots=1)
+    r = Requests(s)
+    flood, one = Key("flood"), Key("one")
+    await r.ask("o0", A, one)
+    await r.release("o0")  # idle
+    await r.ask("f0", B, flood)
+    await r.ask("f1", C, flood)
+    await r.ask("o1", D, one)
+    await r.release("f0")
+    assert r.order[-1] == "o1"  # flood has had a turn since the gap, one has not
+
+
 async def test_priority_goes_before_fair_share() -> None:
     s = make(slots=1)
     r = Requests(s)
