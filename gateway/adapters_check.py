@@ -77,14 +77,16 @@ def module_key(path: str) -> str:
     return ".".join(parts)
 
 
-def tensor_shapes(file: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, from the safetensors header (no tensor is loaded)."""
+def tensor_shapes(file: Path, label: str | None = None) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the safetensors header (no tensor is loaded). ``label``
+    names the adapter in errors (default: the file's folder)."""
     try:
         with safe_open(str(file), framework="numpy") as fh:
             names: list[str] = fh.keys()  # a safe_open handle is not iterable
             return {name: list(fh.get_slice(name).get_shape()) for name in names}
     except (OSError, SafetensorError) as exc:
-        raise ConfigError(f"{file.parent.name}: {file.name} is not readable: {one_line(exc)}") from None
+        adapter = label or file.parent.name
+        raise ConfigError(f"{adapter}: {file.name} is not readable: {one_line(exc)}") from None
 
 
 def model_shapes(model_dir: str | Path) -> ModelShapes | None:
@@ -105,36 +107,40 @@ def check_adapter(
     model: ModelShapes | None,
     *,
     strict_base_model: bool = False,
+    label: str | None = None,
 ) -> AdapterInfo:
+    """``label`` names the adapter in errors (default: its folder's name; a copy's folder is
+    named by its digest)."""
+    name = label or path.name
     for required in ("adapter_config.json", "adapter_model.safetensors"):
         if not (path / required).is_file():
-            raise ConfigError(f"{path.name}: missing {required}")
+            raise ConfigError(f"{name}: missing {required}")
     try:
         config: dict[str, Any] = json.loads((path / "adapter_config.json").read_text())
         rank = int(config["r"])
         targets = config.get("target_modules") or []
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path.name}: adapter_config.json is invalid: {one_line(exc)}") from None
+        raise ConfigError(f"{name}: adapter_config.json is invalid: {one_line(exc)}") from None
     if rank > max_lora_rank:
-        raise ConfigError(f"{path.name}: rank {rank} is above engine.max_lora_rank={max_lora_rank}")
+        raise ConfigError(f"{name}: rank {rank} is above engine.max_lora_rank={max_lora_rank}")
     if model is not None and isinstance(targets, list):  # a string is a regex (or "all-linear")
         missing = sorted(set(targets) - model.leaf_names())
         if missing:
-            raise ConfigError(f"{path.name}: target modules not in the model: {', '.join(missing)}")
-    tensors = tensor_shapes(path / "adapter_model.safetensors")
-    _check_tensors(path, tensors, model, rank, max_lora_rank, bool(config.get("rank_pattern")))
+            raise ConfigError(f"{name}: target modules not in the model: {', '.join(missing)}")
+    tensors = tensor_shapes(path / "adapter_model.safetensors", name)
+    _check_tensors(name, tensors, model, rank, max_lora_rank, bool(config.get("rank_pattern")))
     warnings: list[str] = []
     base = str(config.get("base_model_name_or_path") or "")
     if base and Path(base).name != base_name:
         message = f"trained for base model '{base}', this engine serves '{base_name}'"
         if strict_base_model:
-            raise ConfigError(f"{path.name}: {message} (strict_base_model)")
+            raise ConfigError(f"{name}: {message} (strict_base_model)")
         warnings.append(f"{message}; accepted because its weights fit the model")
     return AdapterInfo(config, rank, tuple(warnings))
 
 
 def _check_tensors(
-    path: Path,
+    adapter: str,
     tensors: dict[str, list[int]],
     model: ModelShapes | None,
     rank: int,
@@ -150,26 +156,26 @@ def _check_tensors(
         found += 1
         is_a = m["ab"] == "A"
         if len(shape) != 2:
-            raise ConfigError(f"{path.name}: tensor {name} has shape {shape}, expected 2 dimensions")
+            raise ConfigError(f"{adapter}: tensor {name} has shape {shape}, expected 2 dimensions")
         r = shape[0] if is_a else shape[1]
         if r > max_lora_rank or (r != rank and not per_module_ranks):
             want = f"rank {rank}" if r <= max_lora_rank else f"rank <= engine.max_lora_rank={max_lora_rank}"
-            raise ConfigError(f"{path.name}: tensor {name} has rank {r} (shape {shape}), expected {want}")
+            raise ConfigError(f"{adapter}: tensor {name} has rank {r} (shape {shape}), expected {want}")
         if model is None:
             continue
         target = model.get(m["module"])
         if target is None:
             module = module_key(m["module"])
-            raise ConfigError(f"{path.name}: tensor {name} targets {module}, which the model does not have")
+            raise ConfigError(f"{adapter}: tensor {name} targets {module}, which the model does not have")
         out_features, in_features = target
         expected = [r, in_features] if is_a else [out_features, r]
         if shape != expected:
             raise ConfigError(
-                f"{path.name}: tensor {name} has shape {shape}, expected {expected} "
+                f"{adapter}: tensor {name} has shape {shape}, expected {expected} "
                 f"(the model's {module_key(m['module'])} is [{out_features}, {in_features}])"
             )
     if found == 0:
-        raise ConfigError(f"{path.name}: adapter_model.safetensors has no lora_A/lora_B tensors")
+        raise ConfigError(f"{adapter}: adapter_model.safetensors has no lora_A/lora_B tensors")
 
 
 def adapter_digest(path: Path) -> str:

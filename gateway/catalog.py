@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ import yaml
 from pydantic import ValidationError
 
 from gateway.adapters_check import (
+    AdapterInfo,
     ModelShapes,
     adapter_digest,
     check_adapter,
@@ -153,7 +155,14 @@ def load_table(
                 entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids, catalog_path.parent
             )
             if snapshots is not None and route.lora is not None:
-                route = _on_snapshot(route, snapshots, lora_ids)
+                recheck = partial(
+                    check_adapter,
+                    max_lora_rank=max_lora_rank,
+                    base_name=base_name,
+                    model=model_modules,
+                    strict_base_model=entry.strict_base_model,
+                )
+                route = _on_snapshot(route, snapshots, lora_ids, recheck)
         except (ConfigError, ValidationError, OSError) as exc:  # OSError: files that changed mid-check
             errors[label] = _one_line(exc)
             log.error("catalog entry %s rejected: %s", label, errors[label])
@@ -245,14 +254,24 @@ def _build_route(
     )
 
 
-def _on_snapshot(route: Route, snapshots: SnapshotDir, lora_ids: LoraIds) -> Route:
+def _on_snapshot(
+    route: Route, snapshots: SnapshotDir, lora_ids: LoraIds, recheck: Callable[..., AdapterInfo]
+) -> Route:
     assert route.lora is not None
+    original = Path(route.lora.path)
     try:
-        path, digest = snapshots.copy(Path(route.lora.path), route.digest)
+        path, digest = snapshots.copy(original, route.digest)
     except OSError as exc:
         raise ConfigError(f"could not copy the adapter to {snapshots.path}: {one_line(exc)}") from None
+    # The engine reads the copy, so the copy is what must fit: the files may have changed
+    # since their check (a save, a directory renamed into place while the catalog loads),
+    # and vLLM loads tensors of the wrong shape only to fail copying them into a GPU slot.
+    # A copy does not change; checking it reads its headers only.
+    info = recheck(path, label=original.name)
+    for warning in set(info.warnings) - set(route.warnings):
+        log.warning("catalog entry %s: %s", route.name, warning)
     lora = replace(route.lora, lora_id=lora_ids.id_for(digest, route.pinned), path=str(path))
-    return replace(route, lora=lora, digest=digest)
+    return replace(route, lora=lora, digest=digest, rank=info.rank, warnings=info.warnings)
 
 
 def _errors_line(table: RoutingTable) -> str | None:

@@ -193,3 +193,44 @@ async def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None
     assert {p.name for p in snapshots.path.iterdir()} == {first.digest, second.digest, ".lock"}  # no staging
     snapshots.close()
     assert not snapshots.path.exists()  # the process's copies go with it
+
+
+def test_files_changed_between_the_check_and_the_copy_are_checked_in_the_copy(
+    tmp_path: Path, gemma: ModelShapes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory replaced while the catalog loads: the engine reads the copy, so the copy
+    is what must fit the model. A wrong shape there would pass vLLM's load and fail when the
+    engine copies it into a GPU slot."""
+    import gateway.catalog as catalog_module
+
+    path = copy_adapter(tmp_path)
+    weights = path / "adapter_model.safetensors"
+    tensors = {name: np.zeros(shape, dtype=np.float32) for name, shape in tensor_shapes(weights).items()}
+    bad = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
+    tensors[bad] = np.zeros((257, 8), dtype=np.float32)
+    checked = []
+
+    def check_then_replace(adapter: Path, *args: object, **kwargs: object) -> object:
+        info = check_adapter(adapter, *args, **kwargs)  # type: ignore[arg-type]
+        if not checked:  # the first check sees good files; then a deploy replaces them
+            checked.append(adapter)
+            save_file(tensors, str(weights))
+        return info
+
+    monkeypatch.setattr(catalog_module, "check_adapter", check_then_replace)
+    snapshots = SnapshotDir(tmp_path / "cache" / "adapters")
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text("routes:\n  - {name: shout, adapter: shout}\n")
+    t = load_table(
+        catalog,
+        base_name=EMBEDDED_NAME,
+        adapters_root=tmp_path / "adapters",
+        max_lora_rank=16,
+        model_modules=gemma,
+        lora_ids=LoraIds(),
+        snapshots=snapshots,
+    )
+    assert checked == [path]
+    assert t.routes == {}  # the copy holds the new, misshapen tensors
+    assert t.errors["shout"].startswith(f"shout: tensor {bad} has shape [257, 8], expected [256, 8]")
+    snapshots.close()
