@@ -49,6 +49,11 @@ PIN_REFUSED = (
     "slots a pin leaves them, and a batch short of slots kills the engine)"
 )
 
+PIN_WAITING = (
+    "not pinned yet: engine.max_loras - 1 adapters are pinned and one slot must stay free; it is "
+    "pinned when a pinned version leaves the engine"
+)
+
 CPU_CACHE_SHARE = 0.1  # of host memory that the adapters' CPU cache may take when sized here
 
 
@@ -153,6 +158,8 @@ class AdapterSlots:
             return
         # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
         if not self._room_to_pin():
+            if route.lora.lora_id in self.pins_waiting:
+                return  # said when it began to wait, not again at every reload
             self.pins_waiting[route.lora.lora_id] = route
             log.warning(
                 "adapter %s not pinned yet: %d of engine.max_loras=%d slots are pinned and one must "

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from gateway.adapter_slots import PIN_REFUSED, AdapterSlots
+from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
 from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import InvalidRequest, ModelNotFound, NotFound, PermissionDenied
 from gateway.metrics import RequestRecord
@@ -346,7 +346,11 @@ def adapter_fields(route: Route, slots: AdapterSlots | None) -> dict[str, Any]:
 
 
 def _pin_warnings(route: Route, slots: AdapterSlots | None) -> list[str]:
-    return [PIN_REFUSED] if route.pinned and slots is not None and not slots.may_pin else []
+    if not route.pinned or slots is None or route.lora is None:
+        return []
+    if not slots.may_pin:
+        return [PIN_REFUSED]
+    return [PIN_WAITING] if route.lora.lora_id in slots.pins_waiting else []
 
 
 def _visible_cards(request: Request) -> list[dict[str, Any]]:

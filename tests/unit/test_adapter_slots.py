@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.adapter_slots import PIN_REFUSED, AdapterSlots
+from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import EngineFailed
 from gateway.lora_scheduler import LoraScheduler
@@ -376,6 +376,25 @@ async def test_pins_are_refused_with_lora_scheduling_off(serve: Serve, tmp_path:
     assert engine.pinned == []
     card = (await served.http.get("/v1/models/shout")).json()
     assert card["warnings"] == [PIN_REFUSED]
+
+
+async def test_a_pin_that_waits_for_a_slot_says_so_on_its_card(
+    serve: Serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_loras=2 allows one pin: the second pinned route serves unpinned until a pin frees.
+    Seen live: its card said ``pinned: true`` with no word of why it was not on the GPU."""
+    engine = SlotEngine()
+    served = await serve(engine, engine__max_loras=2)
+    (tmp_path / "adapters.yaml").write_text(
+        PINNED.replace("{name: json, adapter: json}", "{name: json, adapter: json, pinned: true}")
+    )
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    assert await residency(served, "json") == {"pinned": True, "residency": "loaded"}
+    card = (await served.http.get("/v1/models/json")).json()
+    assert card["warnings"] == [PIN_WAITING]
+    assert (await served.http.get("/v1/models/shout")).json()["warnings"] == []
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    assert sum("json not pinned yet" in r.getMessage() for r in caplog.records) == 1  # not at every reload
 
 
 async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> None:
