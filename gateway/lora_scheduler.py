@@ -388,9 +388,13 @@ class LoraScheduler:
                 for a in self._active.values()
                 for route, count in a.routes.items()
             },
-            "queued": Counter(w.route for a in self._waiting.values() for w in a.queue),
+            "queued": self.queued_routes(),
             "forced": self.forced,
         }
+
+    def queued_routes(self) -> Counter[str]:
+        """Route -> its requests waiting here for their adapter's turn."""
+        return Counter(w.route for a in self._waiting.values() for w in a.queue)
 
 
 class _FairShare:

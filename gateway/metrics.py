@@ -8,10 +8,13 @@ from a fixed set, so cardinality is bounded whatever clients send. vLLM's own me
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 UNKNOWN = "unknown"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -196,8 +199,58 @@ class GatewayMetrics:
         if record.status == 200:
             self.e2e.labels(route).observe(time.monotonic() - record.started)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry) + generate_latest(REGISTRY)
+    def render(self, queued: Mapping[str, int] | None = None) -> bytes:
+        """Ours, then vLLM's. ``queued`` (route -> LoRA requests waiting in the gateway for
+        their adapter's turn, when it schedules them) adds the router view (``router_view``)."""
+        engine = list(REGISTRY.collect())
+        if queued is not None:
+            engine += router_view(engine, queued, time.time())
+        return generate_latest(self.registry) + generate_latest(_Fixed(engine))
+
+
+def router_view(engine: list[Metric], queued: Mapping[str, int], now: float) -> list[Metric]:
+    """vLLM's queue metrics with the gateway's own LoRA queue added, for LoRA-affinity routers
+    (Gateway API Inference Extension, llm-d). Requests waiting here for their adapter's turn
+    are in no engine queue, so from ``vllm:num_requests_waiting`` and
+    ``vllm:lora_requests_info`` alone a router would take a replica holding them for idle and
+    miss their adapters. ``gateway_num_requests_waiting`` is the engine's waiting requests
+    plus those; ``gateway_lora_requests_info`` is vLLM's newest info (its value is a time)
+    with their routes added to ``waiting_lora_adapters``. Nothing while vLLM reports neither."""
+    families = {family.name: family for family in engine}
+    out: list[Metric] = []
+    waiting = families.get("vllm:num_requests_waiting")
+    if waiting is not None:
+        gauge = GaugeMetricFamily(
+            "gateway_num_requests_waiting",
+            "Requests waiting: in the engine's queue, or in the gateway's for their adapter's turn",
+        )
+        gauge.add_metric([], sum(s.value for s in waiting.samples) + sum(queued.values()))
+        out.append(gauge)
+    info = families.get("vllm:lora_requests_info")
+    newest = max(info.samples, key=lambda s: s.value, default=None) if info is not None else None
+    if newest is not None:
+        labels = dict(newest.labels)
+        names = [n for n in labels.get("waiting_lora_adapters", "").split(",") if n]
+        names += [route for route in queued if route not in names]
+        labels["waiting_lora_adapters"] = ",".join(names)
+        gauge = GaugeMetricFamily(
+            "gateway_lora_requests_info",
+            "vLLM's LoRA info (running and waiting adapters, max_lora) with the adapters waiting here",
+            labels=list(labels),
+        )
+        gauge.add_metric(list(labels.values()), now)
+        out.append(gauge)
+    return out
+
+
+class _Fixed(Collector):
+    """Metric families already collected, for ``generate_latest``."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
 
 
 _STATUSES = {200, 400, 401, 403, 404, 405, 408, 413, 415, 429, 431, 499, 500, 503}

@@ -383,7 +383,8 @@ async def metrics(request: Request) -> Response:
     m = gw.metrics
     m.engine_up.set(1 if gw.engine.ready else 0)
     m.queued.set(gw.engine.unfinished_requests() or 0)
-    return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None
+    return Response(m.render(queued), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def health(request: Request) -> Response:

@@ -1,0 +1,96 @@
+"""The router view on /metrics: vLLM's queue metrics with the gateway's own LoRA queue
+added, for LoRA-affinity routers (Gateway API Inference Extension, llm-d)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+from prometheus_client.metrics_core import Metric
+
+from gateway.metrics import router_view
+from tests.helpers import eventually_async
+from tests.unit.conftest import ADMIN, Serve
+from tests.unit.fakes import FakeEngine
+
+INFO_LABELS = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+
+
+def vllm_metrics(registry: CollectorRegistry, waiting: float) -> tuple[Gauge, Gauge]:
+    """The two vLLM gauges a router reads, as vLLM names and labels them."""
+    queue = Gauge("vllm:num_requests_waiting", "waiting", ["model_name", "engine"], registry=registry)
+    queue.labels("base", "0").set(waiting)
+    info = Gauge("vllm:lora_requests_info", "lora info", INFO_LABELS, registry=registry)
+    return queue, info
+
+
+def families(registry: CollectorRegistry) -> list[Metric]:
+    return list(registry.collect())
+
+
+def test_the_gateways_queue_adds_to_vllms_and_its_routes_to_the_waiting_adapters() -> None:
+    registry = CollectorRegistry()
+    _, info = vllm_metrics(registry, waiting=2)
+    info.labels("a", "b", "4").set(100.0)  # an older step's: not the one a router reads
+    info.labels("x,y", "z", "4").set(200.0)
+    view = {m.name: m for m in router_view(families(registry), Counter({"q": 2, "z": 1}), 300.0)}
+    [waiting] = view["gateway_num_requests_waiting"].samples
+    assert waiting.value == 2 + 3
+    [newest] = view["gateway_lora_requests_info"].samples
+    assert newest.labels == {"running_lora_adapters": "x,y", "waiting_lora_adapters": "z,q", "max_lora": "4"}
+    assert newest.value == 300.0  # now: newer than any of vLLM's own
+
+
+def test_without_vllms_lora_info_only_the_count_and_without_vllm_nothing() -> None:
+    registry = CollectorRegistry()
+    vllm_metrics(registry, waiting=1)  # LoRA off: vLLM's info gauge has no sample
+    view = router_view(families(registry), Counter(), 1.0)
+    assert [(m.name, [s.value for s in m.samples]) for m in view] == [("gateway_num_requests_waiting", [1.0])]
+    assert router_view(families(CollectorRegistry()), Counter({"q": 1}), 1.0) == []
+
+
+@pytest.fixture
+def engine_gauges() -> Iterator[tuple[Gauge, Gauge]]:
+    """vLLM's gauges in the default registry, where the real engine puts them."""
+    gauges = vllm_metrics(REGISTRY, waiting=0)
+    try:
+        yield gauges
+    finally:
+        for gauge in gauges:
+            REGISTRY.unregister(gauge)
+
+
+async def test_metrics_shows_requests_waiting_for_their_adapter_to_a_router(
+    serve: Serve, engine_gauges: tuple[Gauge, Gauge]
+) -> None:
+    """One slot, shout running, json waiting in the gateway: vLLM's own metrics say nothing
+    waits, the router view says json does."""
+    _, info = engine_gauges
+    info.labels("shout", "", "1").set(1.0)
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
+
+    def body(model: str) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+    shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
+    await eventually_async(lambda: len(served.engine.calls) == 1, 5, "shout in the engine")
+    json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    await eventually_async(
+        lambda: served.gw.scheduler is not None and served.gw.scheduler.queued == 1, 5, "json queued"
+    )
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert "gateway_num_requests_waiting 1.0" in metrics
+    assert (
+        'gateway_lora_requests_info{max_lora="1",running_lora_adapters="shout",waiting_lora_adapters="json"}'
+        in metrics
+    )
+    gate.set()
+    assert [r.status_code for r in await asyncio.gather(shout, json_)] == [200, 200]
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert "gateway_num_requests_waiting 0.0" in metrics
+    assert 'waiting_lora_adapters=""' in metrics
