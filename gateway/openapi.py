@@ -38,8 +38,9 @@ JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "
 
 # Errors every keyed operation can answer: bad key (401), request head too large (431).
 _KEYED = (401, 431)
-# ... plus, for a body: not JSON / invalid (400), too large (413), not JSON declared (415).
-_BODY = (400, 413, 415)
+# ... plus, for a body: not JSON / invalid (400), not received within limits.body_timeout_s
+# (408), too large (413), not JSON declared (415).
+_BODY = (400, 408, 413, 415)
 # ... plus, for generation: routing (404), admission (429), engine not ready or draining
 # (503), the engine failing mid-request (500).
 _GENERATE = (404, 429, 500, 503)
@@ -49,6 +50,7 @@ _DESCRIPTIONS = {
     401: "Missing or invalid API key",
     403: "The key may not use this endpoint",
     404: "No such model, route or object (for this key)",
+    408: "The request body did not arrive within limits.body_timeout_s",
     413: "Request body too large",
     415: "The body is declared as something other than JSON",
     422: "The reload failed; the previous catalog keeps serving",
@@ -95,7 +97,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "The house chat stream (any Content-Type; the body is read as JSON)",
         {SSE: "Event"},
         HouseChatRequest,
-        (400, 401, 413, 431) + _GENERATE,
+        (400, 401, 408, 413, 431) + _GENERATE,
     ),
     ("POST", "/v1/responses"): Operation(
         "Create a response (OpenAI Responses API)",

@@ -5,6 +5,8 @@ the public paths. tests/integration/test_fuzz.py fuzzes the live gateway with it
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -145,3 +147,31 @@ async def test_a_400_on_retrieving_a_response_is_documented(serve: Serve, query:
     r = await served.http.get("/v1/responses/resp_1", params=query)
     assert r.status_code == 400
     assert_documented(build_document(ROUTES, PUBLIC_PATHS), "get", "/v1/responses/{response_id}", r)
+
+
+def test_every_operation_with_a_body_documents_408() -> None:
+    """Every body is read under limits.body_timeout_s (``read_json``): a stalled upload is a 408."""
+    document = build_document(ROUTES, PUBLIC_PATHS)
+    with_body = [
+        (path, method)
+        for path, item in document["paths"].items()
+        for method, operation in item.items()
+        if "requestBody" in operation
+    ]
+    assert len(with_body) == 6  # chat, completions, /chat, responses, tokenize, detokenize
+    for path, method in with_body:
+        assert "408" in document["paths"][path][method]["responses"], (method, path)
+
+
+@pytest.mark.parametrize("path", ["/chat", "/v1/chat/completions"])
+async def test_a_408_for_a_stalled_body_matches_its_documented_schema(serve: Serve, path: str) -> None:
+    served = await serve(limits__body_timeout_s=0.05)
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b'{"question": '
+        await asyncio.sleep(5)
+        yield b'"hi"}'
+
+    r = await served.http.post(path, content=stalled(), headers={"content-type": "application/json"})
+    assert r.status_code == 408, r.text
+    assert_documented(build_document(ROUTES, PUBLIC_PATHS), "post", path, r)
