@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +63,21 @@ def test_adapters_validate_passes_and_fails(tmp_path: Path) -> None:
     done = gateway("adapters", "validate", "--catalog", str(bad))
     assert done.returncode == 1
     assert "REJECTED evil" in done.stderr and "inside the adapters root" in done.stderr
+    assert done.stderr.count("evil") == 1, done.stderr  # once, not also as a log line
     assert "shout" in done.stdout
+
+
+def test_adapters_list_reports_a_warning_once(tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    shutil.copytree(ROOT / "adapters" / "shout", root / "shout")
+    config = root / "shout" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"gemma-3-270m"', '"another-model"'))
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text("routes:\n  - name: shout\n    adapter: shout\n")
+    done = gateway("adapters", "list", "--catalog", str(catalog), "--adapters-root", str(root))
+    assert done.returncode == 0, done.stderr
+    assert "WARNING shout:" in done.stderr and "another-model" in done.stderr
+    assert done.stderr.count("another-model") == 1, done.stderr
 
 
 def test_serve_refuses_several_workers() -> None:
