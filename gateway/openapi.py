@@ -75,8 +75,9 @@ _STREAM_FORMAT = {
     "name": "X-Stream-Format",
     "in": "header",
     "required": False,
-    "description": "'house' streams the team's house SSE events instead of OpenAI's (one choice, no tools).",
-    "schema": {"type": "string"},
+    "description": "'house' streams the team's house SSE events instead of OpenAI's (one choice, no tools); "
+    "'openai' (the default) OpenAI's. Any other value is a 400 naming the header.",
+    "schema": {"type": "string", "enum": ["openai", "house"]},
 }
 
 OPERATIONS: dict[tuple[str, str], Operation] = {

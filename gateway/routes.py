@@ -70,9 +70,9 @@ def _principal(request: Request) -> Principal | None:
 # -- inference ----------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     gw = _gateway(request)
+    house = _stream_format(request, ("openai", "house")) == "house"
     body = await read_json(request, ChatCompletionRequest, gw.settings.limits)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.chat(body, lease))
-    house = request.headers.get("x-stream-format", "").lower() == "house"
     if house:
         _house_can_carry(body, gen)
 
@@ -86,6 +86,25 @@ async def chat_completions(request: Request) -> Response:
         encoder = ToolChatEncoder if tools else OpenAIChatEncoder
         return _stream(request, gen, encoder(gen, body.include_usage), prompt)
     return await _whole(request, gen, tool_chat_response if tools else chat_response, prompt)
+
+
+_STREAM_FORMATS = ("openai", "house")
+
+
+def _stream_format(request: Request, served: tuple[str, ...]) -> str:
+    """The ``X-Stream-Format`` header (absent or empty: ``served[0]``, the endpoint's own).
+    It would change the answer, so a value that is unknown, or one this endpoint cannot
+    answer in, is a 400 naming the header, not ignored."""
+    value = request.headers.get("x-stream-format", "").strip().lower() or served[0]
+    if value in served:
+        return value
+    if value not in _STREAM_FORMATS:
+        message = f"X-Stream-Format: unknown format '{value[:40]}'; use 'house' or 'openai'"
+    elif value == "house":
+        message = "X-Stream-Format: house is served on /v1/chat/completions and POST /chat only"
+    else:
+        message = "X-Stream-Format: POST /chat streams the house format only; use /v1/chat/completions"
+    raise InvalidRequest(message, param="X-Stream-Format")
 
 
 def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
@@ -106,6 +125,7 @@ def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
 
 async def completions(request: Request) -> Response:
     gw = _gateway(request)
+    _stream_format(request, ("openai",))
     body = await read_json(request, CompletionRequest, gw.settings.limits)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.complete(body, lease))
     if body.stream:
@@ -115,6 +135,7 @@ async def completions(request: Request) -> Response:
 
 async def house_chat(request: Request) -> Response:
     gw = _gateway(request)
+    _stream_format(request, ("house",))
     body = await read_json(request, HouseChatRequest, gw.settings.limits, any_type=True)
     gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease))
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
@@ -123,6 +144,7 @@ async def house_chat(request: Request) -> Response:
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses`` on the chat path; ``store`` keeps it for its key only."""
     gw = _gateway(request)
+    _stream_format(request, ("openai",))
     body = await read_json(request, ResponsesRequest, gw.settings.limits)
     owner = _owner(request)
     turn, history = input_messages(body.input), []

@@ -194,6 +194,53 @@ async def test_house_stream_format_refuses_what_it_cannot_carry(
     assert served.gw.catalog_or_503().in_use() == {}
 
 
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        ("/v1/chat/completions", "houes", "unknown format 'houes'"),
+        ("/v1/chat/completions", "ndjson", "unknown format"),
+        ("/v1/completions", "house", "/v1/chat/completions and POST /chat only"),
+        ("/v1/responses", "house", "/v1/chat/completions and POST /chat only"),
+        ("/chat", "openai", "streams the house format only"),
+        ("/chat", "houes", "unknown format"),
+    ],
+)
+async def test_a_stream_format_an_endpoint_cannot_answer_in_is_a_400(
+    serve: Serve, path: str, value: str, says: str
+) -> None:
+    """X-Stream-Format would change the answer: an unknown value, or one the endpoint cannot
+    produce, is a 400 naming the header, not an answer in another format."""
+    served = await serve()
+    body = {"question": "Hi"} if path == "/chat" else body_for(path)
+    if path == "/v1/responses":
+        body = {"model": "base", "input": "Hi"}
+    r = await served.http.post(path, json=body, headers={"X-Stream-Format": value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "X-Stream-Format" and says in error["message"], error
+    assert served.engine.calls == [] and served.gw.catalog_or_503().in_use() == {}
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "house"),
+    [
+        ("/v1/chat/completions", "House", True),
+        ("/v1/chat/completions", "openai", False),
+        ("/v1/chat/completions", "", False),
+        ("/v1/completions", "openai", False),
+        ("/chat", "house", True),
+    ],
+)
+async def test_a_stream_format_an_endpoint_answers_in_is_served(
+    serve: Serve, path: str, value: str, house: bool
+) -> None:
+    served = await serve()
+    body = {"question": "Hi"} if path == "/chat" else body_for(path)
+    r = await served.http.post(path, json=body, headers={"X-Stream-Format": value})
+    assert r.status_code == 200, r.text
+    assert r.text.startswith("event: message") == house, r.text
+
+
 # -- vLLM's fields: honoured, or refused when they would change the answer -------------------
 @pytest.mark.parametrize(
     ("path", "name", "value"),
