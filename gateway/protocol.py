@@ -346,7 +346,6 @@ def _as_prompts(prompt: Any) -> list[PromptInput]:
 
 # What the house stream cannot carry (one choice, text only): refused unless unused.
 _HOUSE_CANNOT = ("messages", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
-_HOUSE_SKIPS = ("stream",)  # it always streams
 
 
 class HouseChatRequest(_Request):
@@ -358,9 +357,18 @@ class HouseChatRequest(_Request):
     task: str | None = Field(None, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
+    stream: bool = True  # it always streams: false is refused, not ignored
+
+    _nulls = field_validator("stream", mode="before")(null_is_default)
 
     @model_validator(mode="after")
     def _house_shape(self) -> HouseChatRequest:
+        if not self.stream:
+            raise InvalidRequest(
+                "POST /chat always streams (the house SSE format); for one JSON answer use "
+                "/v1/chat/completions",
+                param="stream",
+            )
         extra = self.model_extra or {}
         for name in _HOUSE_CANNOT:
             if not _harmless(extra.get(name)):
@@ -376,8 +384,8 @@ class HouseChatRequest(_Request):
 
     @property
     def chat_fields(self) -> dict[str, Any]:
-        skip = (*_HOUSE_CANNOT, *_HOUSE_SKIPS)
-        return {name: value for name, value in (self.model_extra or {}).items() if name not in skip}
+        extra = self.model_extra or {}
+        return {name: value for name, value in extra.items() if name not in _HOUSE_CANNOT}
 
 
 # -- validation errors -----------------------------------------------------------------

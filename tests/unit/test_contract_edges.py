@@ -165,6 +165,34 @@ async def test_house_chat_refuses_by_name(serve: Serve, name: str, value: Any, p
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize(
+    ("stream", "says"),
+    [
+        (False, "always streams"),
+        (0, "always streams"),
+        ("maybe", "valid boolean"),  # chat's own check: not a boolean
+        ([True], "valid boolean"),
+        (2, "valid boolean"),
+    ],
+)
+async def test_house_chat_refuses_stream_it_cannot_honour(serve: Serve, stream: Any, says: str) -> None:
+    """POST /chat always streams: ``stream: false`` is a 400, not a stream anyway, and a value
+    that is not a boolean is one, as on chat completions."""
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi", "stream": stream})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stream" and says in error["message"], error
+    assert served.engine.calls == []
+
+
+@pytest.mark.parametrize("stream", [True, None])
+async def test_house_chat_takes_stream_true_or_null(serve: Serve, stream: Any) -> None:
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi", "stream": stream})
+    assert r.status_code == 200 and r.text.startswith("event: message"), r.text
+
+
 async def test_house_chat_errors_name_the_question_not_messages(serve: Serve) -> None:
     """POST /chat has no ``messages``: a prompt too long for the context names ``question``."""
     served = await serve()
