@@ -222,6 +222,8 @@ def _chat(args: argparse.Namespace) -> int:
 
     if not args.url.lower().startswith(("http://", "https://")):
         raise ConfigError(f"--url must start with http:// or https:// (got {args.url!r})")
+    if args.message and not " ".join(args.message).strip():  # ``chat ""``: not a session on stdin
+        raise ConfigError("the message is empty (leave it out for an interactive session)")
     if args.api_key and not (args.api_key.isascii() and args.api_key.isprintable()):
         raise ConfigError("--api-key must be printable ASCII (it is sent in an HTTP header)")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

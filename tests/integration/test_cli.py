@@ -111,6 +111,9 @@ def chat_bytes(*args: bytes | str, stdin: bytes = b"") -> subprocess.CompletedPr
         (["--url", CLOSED, "--model", "m", b"caf\xe9"], b"", 1, b"the message is not valid UTF-8"),
         (["--url", CLOSED, "--model", "m"], b"caf\xe9\n", 1, b"not valid UTF-8"),
         (["--url", CLOSED, "--api-key", "cl\u00e9", "hi"], b"", 2, b"--api-key must be printable ASCII"),
+        # an empty message is not an interactive session waiting on stdin
+        (["--url", CLOSED, "--model", "m", ""], b"hi\n", 2, b"the message is empty"),
+        (["--url", CLOSED, "--model", "m", " ", ""], b"hi\n", 2, b"the message is empty"),
     ],
 )
 def test_chat_bad_input_is_one_error_line(
