@@ -21,6 +21,10 @@ import yaml
 from gateway.errors import ConfigError
 from gateway.settings import GatewaySettings, load_settings
 
+# The chat CLI's key when --api-key is not given (the OpenAI SDK reads OPENAI_API_KEY the same
+# way; not that one, which may hold a key for OpenAI itself, not to be sent to a gateway).
+API_KEY_ENV = "GATEWAY_API_KEY"
+
 # flag -> dotted settings key; each is also settable via GATEWAY_... env vars and YAML
 _FLAGS: list[tuple[str, str, type, str]] = [
     ("--host", "server.host", str, "address to bind"),
@@ -106,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     chat.add_argument("--model", default=None, help="route (model name or alias)")
     chat.add_argument("--task", default=None, help="route by task")
-    chat.add_argument("--api-key", default=None, help="API key")
+    chat.add_argument(
+        "--api-key",
+        default=None,
+        help=f"API key (default: ${API_KEY_ENV}, which, unlike a flag, stays out of ps and shell history)",
+    )
     chat.add_argument("message", nargs="*", help="one message; omit for an interactive session")
     return parser
 
@@ -224,9 +232,12 @@ def _chat(args: argparse.Namespace) -> int:
         raise ConfigError(f"--url must start with http:// or https:// (got {args.url!r})")
     if args.message and not " ".join(args.message).strip():  # ``chat ""``: not a session on stdin
         raise ConfigError("the message is empty (leave it out for an interactive session)")
-    if args.api_key and not (args.api_key.isascii() and args.api_key.isprintable()):
-        raise ConfigError("--api-key must be printable ASCII (it is sent in an HTTP header)")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    api_key, source = args.api_key, "--api-key"
+    if api_key is None:
+        api_key, source = os.environ.get(API_KEY_ENV), API_KEY_ENV
+    if api_key and not (api_key.isascii() and api_key.isprintable()):
+        raise ConfigError(f"{source} must be printable ASCII (it is sent in an HTTP header)")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
             return _converse(client, args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -159,6 +160,67 @@ class _LongStream(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """A gateway that answers "ok" and keeps each request's Authorization header."""
+
+    seen: list[str | None] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _Recorder.seen.append(self.headers.get("Authorization"))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}]}
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "sent"),
+    [
+        ([], "sk-from-env", "Bearer sk-from-env"),
+        (["--api-key", "sk-from-flag"], "sk-from-env", "Bearer sk-from-flag"),  # the flag first
+        ([], "", None),
+    ],
+)
+def test_chat_reads_its_key_from_gateway_api_key(flag: list[str], env: str, sent: str | None) -> None:
+    """A key in $GATEWAY_API_KEY stays out of ps and shell history, as the OpenAI SDK's does."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _Recorder.seen = []
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", *flag, "hi"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "GATEWAY_API_KEY": env},
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert _Recorder.seen == [sent]
+
+
+def test_chat_names_gateway_api_key_when_it_is_not_ascii() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "chat", "--url", CLOSED, "hi"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GATEWAY_API_KEY": "cl\u00e9"},
+    )
+    assert done.returncode == 2
+    assert "GATEWAY_API_KEY must be printable ASCII" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_chat_into_a_closed_pipe_stops_quietly() -> None:
