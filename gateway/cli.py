@@ -336,15 +336,26 @@ def _message(data: Any, fallback: str) -> str:
 
 def _base_model(client: Any) -> str | None:
     """The base model's name (/v1/* requires a model or a task); None if it cannot be read,
-    and the server's answer will say why."""
+    and the server's answer will say why. A key that may not use it (``routes:`` in
+    auth.keys) is told to pick a route, and which ones it may use."""
     response = client.get("/v1/models")
     if response.status_code != 200:
         return None
     try:
         cards = response.json()["data"]
-        return next((c["id"] for c in cards if c.get("kind") == "base" and not c.get("alias_of")), None)
+        base = next((c["id"] for c in cards if c.get("kind") == "base" and not c.get("alias_of")), None)
+        usable = ", ".join(str(c["id"]) for c in cards[:_LISTED]) + (", ..." if len(cards) > _LISTED else "")
+        ours = all("kind" in c for c in cards)  # another server's list (vLLM's) has no kinds
     except (ValueError, KeyError, TypeError, AttributeError):  # not the gateway's model list
         return None
+    if base is None and ours:
+        raise _BadInput(
+            f"this key may not use the base model: pass --model (it may use: {usable or 'none'}) or --task"
+        )
+    return None if base is None else str(base)
+
+
+_LISTED = 10  # routes named in the hint above
 
 
 def _ask() -> str | None:

@@ -223,6 +223,35 @@ def test_chat_names_gateway_api_key_when_it_is_not_ascii() -> None:
     assert "GATEWAY_API_KEY must be printable ASCII" in done.stderr and "Traceback" not in done.stderr
 
 
+class _ScopedModels(_Recorder):
+    """A gateway whose model list, for this key, lacks the base model (``routes: [shout]``)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        cards = [{"id": "shout", "kind": "lora"}, {"id": "loud", "kind": "lora", "alias_of": "shout"}]
+        body = json.dumps({"object": "list", "data": cards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_chat_without_a_route_tells_a_scoped_key_to_pass_one() -> None:
+    """Not the server's bare "you must provide a model parameter": what to pass, and which."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ScopedModels)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _Recorder.seen = []
+    try:
+        done = chat_bytes("--url", url, "hi")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 1, done.stderr
+    assert b"--model" in done.stderr and b"shout, loud" in done.stderr and b"--task" in done.stderr
+    assert _Recorder.seen == []  # nothing sent that could only fail
+
+
 def test_chat_into_a_closed_pipe_stops_quietly() -> None:
     """``python -m gateway chat ... | head -c 20``: no BrokenPipeError traceback."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _LongStream)
