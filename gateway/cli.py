@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser(
         "chat", help="chat with a running gateway", description="Stream answers from a running gateway."
     )
-    chat.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    chat.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="gateway base URL (or the OpenAI SDK's, ending in /v1)"
+    )
     chat.add_argument("--model", default=None, help="route (model name or alias)")
     chat.add_argument("--task", default=None, help="route by task")
     chat.add_argument(
@@ -239,7 +241,7 @@ def _chat(args: argparse.Namespace) -> int:
         raise ConfigError(f"{source} must be printable ASCII (it is sent in an HTTP header)")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with httpx.Client(base_url=args.url, headers=headers, timeout=None) as client:
+        with httpx.Client(base_url=_base_url(args.url), headers=headers, timeout=None) as client:
             return _converse(client, args)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"error: {args.url}: {exc}", file=sys.stderr)
@@ -256,6 +258,13 @@ def _chat(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # stdout closed (``| head``): stop quietly, as SIGPIPE would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 141
+
+
+def _base_url(url: str) -> str:
+    """The gateway's root: the OpenAI SDK's base URL (README: ``.../v1``) names it too, and
+    the paths below are /v1/... from the root (else /v1/v1/chat/completions, a 404)."""
+    root = url.rstrip("/")
+    return root[: -len("/v1")] if root.lower().endswith("/v1") else url
 
 
 def _converse(client: Any, args: argparse.Namespace) -> int:

@@ -166,10 +166,12 @@ class _Recorder(BaseHTTPRequestHandler):
     """A gateway that answers "ok" and keeps each request's Authorization header."""
 
     seen: list[str | None] = []
+    paths: list[str] = []
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers["Content-Length"]))
         _Recorder.seen.append(self.headers.get("Authorization"))
+        _Recorder.paths.append(self.path)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -208,6 +210,22 @@ def test_chat_reads_its_key_from_gateway_api_key(flag: list[str], env: str, sent
         server.server_close()
     assert done.returncode == 0, done.stderr
     assert _Recorder.seen == [sent]
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_chat_takes_the_gateway_root_or_the_sdk_base_url(suffix: str) -> None:
+    """README's OpenAI SDK example uses ``.../v1`` as base_url; the CLI takes it too."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}{suffix}"
+    _Recorder.paths = []
+    try:
+        done = chat_bytes("--url", url, "--model", "m", "hi")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert _Recorder.paths == ["/v1/chat/completions"]
 
 
 def test_chat_names_gateway_api_key_when_it_is_not_ascii() -> None:
