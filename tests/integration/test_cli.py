@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,26 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+Stub = Callable[[type[BaseHTTPRequestHandler]], str]
+
+
+@pytest.fixture
+def stub() -> Iterator[Stub]:
+    """``stub(handler)``: the URL of a small HTTP server answering with ``handler`` (shut
+    down after the test), for the chat CLI to talk to without an engine."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(handler: type[BaseHTTPRequestHandler]) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
 
 
 def gateway(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -190,40 +211,30 @@ class _Recorder(BaseHTTPRequestHandler):
         ([], "", None),
     ],
 )
-def test_chat_reads_its_key_from_gateway_api_key(flag: list[str], env: str, sent: str | None) -> None:
+def test_chat_reads_its_key_from_gateway_api_key(
+    flag: list[str], env: str, sent: str | None, stub: Stub
+) -> None:
     """A key in $GATEWAY_API_KEY stays out of ps and shell history, as the OpenAI SDK's does."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    url = stub(_Recorder)
     _Recorder.seen = []
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", *flag, "hi"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "GATEWAY_API_KEY": env},
-        )
-    finally:
-        server.shutdown()
-        server.server_close()
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", *flag, "hi"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GATEWAY_API_KEY": env},
+    )
     assert done.returncode == 0, done.stderr
     assert _Recorder.seen == [sent]
 
 
 @pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
-def test_chat_takes_the_gateway_root_or_the_sdk_base_url(suffix: str) -> None:
+def test_chat_takes_the_gateway_root_or_the_sdk_base_url(suffix: str, stub: Stub) -> None:
     """README's OpenAI SDK example uses ``.../v1`` as base_url; the CLI takes it too."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}{suffix}"
+    url = stub(_Recorder) + suffix
     _Recorder.paths = []
-    try:
-        done = chat_bytes("--url", url, "--model", "m", "hi")
-    finally:
-        server.shutdown()
-        server.server_close()
+    done = chat_bytes("--url", url, "--model", "m", "hi")
     assert done.returncode == 0, done.stderr
     assert _Recorder.paths == ["/v1/chat/completions"]
 
@@ -254,28 +265,19 @@ class _ScopedModels(_Recorder):
         self.wfile.write(body)
 
 
-def test_chat_without_a_route_tells_a_scoped_key_to_pass_one() -> None:
+def test_chat_without_a_route_tells_a_scoped_key_to_pass_one(stub: Stub) -> None:
     """Not the server's bare "you must provide a model parameter": what to pass, and which."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ScopedModels)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    url = stub(_ScopedModels)
     _Recorder.seen = []
-    try:
-        done = chat_bytes("--url", url, "hi")
-    finally:
-        server.shutdown()
-        server.server_close()
+    done = chat_bytes("--url", url, "hi")
     assert done.returncode == 1, done.stderr
     assert b"--model" in done.stderr and b"shout, loud" in done.stderr and b"--task" in done.stderr
     assert _Recorder.seen == []  # nothing sent that could only fail
 
 
-def test_chat_into_a_closed_pipe_stops_quietly() -> None:
+def test_chat_into_a_closed_pipe_stops_quietly(stub: Stub) -> None:
     """``python -m gateway chat ... | head -c 20``: no BrokenPipeError traceback."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _LongStream)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    url = stub(_LongStream)
     cmd = [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", "Tell me a story"]
     child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -287,17 +289,12 @@ def test_chat_into_a_closed_pipe_stops_quietly() -> None:
     finally:
         child.kill()
         child.stderr.close()  # type: ignore[union-attr]
-        server.shutdown()
-        server.server_close()
     assert child.returncode == 141, err
     assert b"Traceback" not in err and b"BrokenPipeError" not in err
 
 
-def test_chat_ctrl_c_mid_answer_exits_130_without_a_traceback() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowStream)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+def test_chat_ctrl_c_mid_answer_exits_130_without_a_traceback(stub: Stub) -> None:
+    url = stub(_SlowStream)
     cmd = [sys.executable, "-m", "gateway", "chat", "--url", url, "--model", "m", "Tell me a story"]
     # SIGINT as a terminal sends it (a shell may start tests with it ignored)
     child = subprocess.Popen(
@@ -314,6 +311,5 @@ def test_chat_ctrl_c_mid_answer_exits_130_without_a_traceback() -> None:
         out, err = child.communicate(timeout=30)
     finally:
         child.kill()
-        server.shutdown()
     assert child.returncode == 130, err
     assert b"Traceback" not in err and b"KeyboardInterrupt" not in err

@@ -40,7 +40,11 @@ def copy_adapter(tmp_path: Path, name: str = "shout", **config: object) -> Path:
 
 
 def table(
-    tmp_path: Path, model: ModelShapes | None, entries: str, base_name: str = EMBEDDED_NAME
+    tmp_path: Path,
+    model: ModelShapes | None,
+    entries: str,
+    base_name: str = EMBEDDED_NAME,
+    snapshots: SnapshotDir | None = None,
 ) -> RoutingTable:
     catalog = tmp_path / "adapters.yaml"
     catalog.write_text("routes:\n" + entries)
@@ -51,6 +55,7 @@ def table(
         max_lora_rank=16,
         model_modules=model,
         lora_ids=LoraIds(),
+        snapshots=snapshots,
     )
 
 
@@ -219,17 +224,7 @@ def test_files_changed_between_the_check_and_the_copy_are_checked_in_the_copy(
 
     monkeypatch.setattr(catalog_module, "check_adapter", check_then_replace)
     snapshots = SnapshotDir(tmp_path / "cache" / "adapters")
-    catalog = tmp_path / "adapters.yaml"
-    catalog.write_text("routes:\n  - {name: shout, adapter: shout}\n")
-    t = load_table(
-        catalog,
-        base_name=EMBEDDED_NAME,
-        adapters_root=tmp_path / "adapters",
-        max_lora_rank=16,
-        model_modules=gemma,
-        lora_ids=LoraIds(),
-        snapshots=snapshots,
-    )
+    t = table(tmp_path, gemma, "  - {name: shout, adapter: shout}\n", snapshots=snapshots)
     assert checked == [path]
     assert t.routes == {}  # the copy holds the new, misshapen tensors
     assert t.errors["shout"].startswith(f"shout: tensor {bad} has shape [257, 8], expected [256, 8]")
