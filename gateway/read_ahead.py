@@ -38,8 +38,11 @@ class _Choice:
             self.texts = ["".join(self.texts)]
         self.num_tokens += chunk.num_tokens
         self.finish_reason = chunk.finish_reason or self.finish_reason
-        if chunk.logprobs is not None:
-            self.logprobs = [*(self.logprobs or ()), *chunk.logprobs]
+        if chunk.logprobs is not None:  # in place: a copy per step is quadratic in the answer
+            if self.logprobs is None:
+                self.logprobs = list(chunk.logprobs)
+            else:
+                self.logprobs.extend(chunk.logprobs)
 
     def chunk(self) -> Chunk:
         return Chunk(self.index, "".join(self.texts), self.num_tokens, self.finish_reason, self.logprobs)

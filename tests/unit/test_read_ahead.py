@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -63,3 +64,22 @@ async def test_close_stops_the_reading_and_on_end_never_runs() -> None:
     gate.set()
     await asyncio.sleep(0.01)
     assert ended == []
+
+
+async def test_a_long_stalled_stream_with_logprobs_is_merged_in_linear_time() -> None:
+    """A reader that stalls for a whole answer with logprobs: each step's logprobs were
+    appended by copying all those merged before (quadratic: 60k tokens took seconds of event
+    loop, in steps that grow as the answer does). Appending in place keeps it linear."""
+    n = 60_000
+
+    async def tokens() -> AsyncIterator[StepOutput]:
+        for i in range(n):
+            yield StepOutput([Chunk(0, "a", 1, None, [TokenLogprob("a", -1.0)])], 3, i == n - 1)
+
+    ended = asyncio.Event()
+    started = time.perf_counter()
+    ahead = ReadAhead(tokens(), ended.set)
+    await asyncio.wait_for(ended.wait(), 10)
+    [merged] = [s async for s in ahead]
+    assert len(merged.chunks[0].logprobs or []) == n and merged.chunks[0].num_tokens == n
+    assert time.perf_counter() - started < 2.0  # linear: ~0.2 s; quadratic: ~7 s
