@@ -201,7 +201,8 @@ class GatewayMetrics:
 
     def render(self, queued: Mapping[str, int] | None = None) -> bytes:
         """Ours, then vLLM's. ``queued`` (route -> LoRA requests waiting in the gateway for
-        their adapter's turn, when it schedules them) adds the router view (``router_view``)."""
+        their adapter's turn; empty when it does not schedule them) adds the router view
+        (``router_view``)."""
         engine = list(REGISTRY.collect())
         if queued is not None:
             engine += router_view(engine, queued, time.time())

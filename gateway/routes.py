@@ -8,6 +8,7 @@ raised as ``GatewayError``s and rendered in one place (``responses.render_error`
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -405,7 +406,9 @@ async def metrics(request: Request) -> Response:
     m = gw.metrics
     m.engine_up.set(1 if gw.engine.ready else 0)
     m.queued.set(gw.engine.unfinished_requests() or 0)
-    queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None
+    # The router view even with scheduling off (nothing queued here then): a router pointed
+    # at it (deploy/README.md) must not lose its metrics when the scheduler is switched off.
+    queued = gw.scheduler.queued_routes() if gw.scheduler is not None else Counter[str]()
     return Response(m.render(queued), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -94,3 +94,22 @@ async def test_metrics_shows_requests_waiting_for_their_adapter_to_a_router(
     metrics = (await served.http.get("/metrics", headers=ADMIN)).text
     assert "gateway_num_requests_waiting 0.0" in metrics
     assert 'waiting_lora_adapters=""' in metrics
+
+
+async def test_the_router_view_is_there_with_lora_scheduling_off(
+    serve: Serve, engine_gauges: tuple[Gauge, Gauge]
+) -> None:
+    """deploy/README points the endpoint picker at gateway_num_requests_waiting and
+    gateway_lora_requests_info. With limits.lora_scheduling: off nothing waits in the gateway,
+    but the metrics it was told to read vanished: the view is vLLM's own, then."""
+    queue, info = engine_gauges
+    queue.labels("base", "0").set(3)
+    info.labels("shout", "json", "2").set(1.0)
+    served = await serve(FakeEngine(), limits__lora_scheduling="off")
+    assert served.gw.scheduler is None
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert "gateway_num_requests_waiting 3.0" in metrics
+    assert (
+        'gateway_lora_requests_info{max_lora="2",running_lora_adapters="shout",waiting_lora_adapters="json"}'
+        in metrics
+    )
