@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
@@ -263,8 +264,11 @@ def _chat(args: argparse.Namespace) -> int:
 def _base_url(url: str) -> str:
     """The gateway's root: the OpenAI SDK's base URL (README: ``.../v1``) names it too, and
     the paths below are /v1/... from the root (else /v1/v1/chat/completions, a 404)."""
-    root = url.rstrip("/")
-    return root[: -len("/v1")] if root.lower().endswith("/v1") else url
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if not path.lower().endswith("/v1"):  # only a path names the SDK's base URL, never a host "v1"
+        return url
+    return urlunsplit(parts._replace(path=path[: -len("/v1")]))
 
 
 def _converse(client: Any, args: argparse.Namespace) -> int:

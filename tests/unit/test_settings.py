@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import _overrides, build_parser, main
+from gateway.cli import _base_url, _overrides, build_parser, main
 from gateway.errors import ConfigError
 from gateway.settings import PROJECT_ROOT, load_settings
 
@@ -357,3 +357,18 @@ def test_cli_chat_session_goes_on_after_a_failed_turn(
         [{"role": "user", "content": "first"}],
         [{"role": "user", "content": "second"}],
     ]
+
+
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://h:8000/v1", "http://h:8000"),
+        ("http://h:8000/v1/", "http://h:8000"),
+        ("http://h/proxy/V1", "http://h/proxy"),
+        ("http://h:8000", "http://h:8000"),
+        ("http://v1", "http://v1"),  # a host named v1 is not the SDK's /v1
+        ("http://v1:8000/", "http://v1:8000/"),
+    ],
+)
+def test_chat_takes_the_sdk_base_url_only_from_the_path(url: str, root: str) -> None:
+    assert _base_url(url) == root
