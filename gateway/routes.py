@@ -221,7 +221,7 @@ async def cancel_response(request: Request) -> Response:
     """``client.responses.cancel``: only a background response can be cancelled (OpenAI's
     rule), and this gateway runs none, so a stored one is vLLM's and OpenAI's 400."""
     await _stored(request, request.path_params["response_id"])
-    raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
+    raise InvalidRequest("Cannot cancel a synchronous response.")  # no param, as vLLM
 
 
 async def response_input_items(request: Request) -> Response:
