@@ -267,7 +267,16 @@ def _on_snapshot(
     # since their check (a save, a directory renamed into place while the catalog loads),
     # and vLLM loads tensors of the wrong shape only to fail copying them into a GPU slot.
     # A copy does not change; checking it reads its headers only.
-    info = recheck(path, label=original.name)
+    try:
+        info = recheck(path, label=original.name)
+    except ConfigError:
+        # Bytes that fit no entry (not just a strict entry's name check) are read by no
+        # version, now or later: every registered copy passed this check.
+        try:
+            recheck(path, label=original.name, strict_base_model=False)
+        except ConfigError:
+            snapshots.discard(path)
+        raise
     for warning in set(info.warnings) - set(route.warnings):
         log.warning("catalog entry %s: %s", route.name, warning)
     lora = replace(route.lora, lora_id=lora_ids.id_for(digest, route.pinned), path=str(path))

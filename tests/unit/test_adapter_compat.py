@@ -228,4 +228,5 @@ def test_files_changed_between_the_check_and_the_copy_are_checked_in_the_copy(
     assert checked == [path]
     assert t.routes == {}  # the copy holds the new, misshapen tensors
     assert t.errors["shout"].startswith(f"shout: tensor {bad} has shape [257, 8], expected [256, 8]")
+    assert [p.name for p in snapshots.path.iterdir() if p.is_dir()] == []  # no version reads it
     snapshots.close()
