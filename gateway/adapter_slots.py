@@ -158,9 +158,10 @@ class AdapterSlots:
             return
         # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
         if not self._room_to_pin():
-            if route.lora.lora_id in self.pins_waiting:
+            waiting = route.lora.lora_id in self.pins_waiting
+            self.pins_waiting[route.lora.lora_id] = route  # the current entry, pinned when room frees
+            if waiting:
                 return  # said when it began to wait, not again at every reload
-            self.pins_waiting[route.lora.lora_id] = route
             log.warning(
                 "adapter %s not pinned yet: %d of engine.max_loras=%d slots are pinned and one must "
                 "stay free; it is pinned when a pinned version leaves the engine",

@@ -395,6 +395,8 @@ async def test_a_pin_that_waits_for_a_slot_says_so_on_its_card(
     assert (await served.http.get("/v1/models/shout")).json()["warnings"] == []
     assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
     assert sum("json not pinned yet" in r.getMessage() for r in caplog.records) == 1  # not at every reload
+    current = served.gw.catalog.table.routes["json"]
+    assert current.lora is not None and served.gw.adapters.pins_waiting[current.lora.lora_id] is current
 
 
 async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> None:
