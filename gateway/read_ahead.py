@@ -90,8 +90,7 @@ class ReadAhead:
         self._pending: _Merged | None = None
         self._error: BaseException | None = None
         self._done = False
-        self._waiting = False  # the consumer waits for a step
-        self._ready = asyncio.Event()
+        self._taker: asyncio.Future[None] | None = None  # set while the consumer waits for a step
         self._task = asyncio.ensure_future(self._read(stream, on_end))
 
     async def _read(self, stream: AsyncIterator[StepOutput], on_end: Callable[[], None]) -> None:
@@ -101,16 +100,24 @@ class ReadAhead:
                     self._pending = _Merged(step)
                 else:
                     self._pending.add(step)
-                self._ready.set()
                 if step.finished:
+                    self._wake()
                     on_end()
-                elif self._waiting:  # a consumer that keeps up takes the steps one by one
+                elif self._wake():  # a consumer that keeps up takes the steps one by one
                     await asyncio.sleep(0)
         except Exception as exc:  # the consumer raises it, after the steps before it
             self._error = exc
         finally:
             self._done = True
-            self._ready.set()
+            self._wake()
+
+    def _wake(self) -> bool:
+        """Hand the waiting consumer its step; False if none waited."""
+        taker, self._taker = self._taker, None
+        if taker is None or taker.done():
+            return False
+        taker.set_result(None)
+        return True
 
     def __aiter__(self) -> ReadAhead:
         return self
@@ -121,12 +128,8 @@ class ReadAhead:
                 if self._error is not None:
                     raise self._error
                 raise StopAsyncIteration
-            self._ready.clear()
-            self._waiting = True
-            try:
-                await self._ready.wait()
-            finally:
-                self._waiting = False
+            self._taker = asyncio.get_running_loop().create_future()
+            await self._taker
         pending, self._pending = self._pending, None
         return pending.step()
 

@@ -83,3 +83,30 @@ async def test_a_long_stalled_stream_with_logprobs_is_merged_in_linear_time() ->
     [merged] = [s async for s in ahead]
     assert len(merged.chunks[0].logprobs or []) == n and merged.chunks[0].num_tokens == n
     assert time.perf_counter() - started < 2.0  # linear: ~0.2 s; quadratic: ~7 s
+
+
+async def test_a_consumer_that_keeps_up_takes_every_step_on_its_own() -> None:
+    """Steps arriving as the engine makes them (one per loop turn or slower) are handed on
+    one by one: a reader that keeps up sees the engine's steps, not merged ones."""
+    queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+
+    async def engine_steps() -> AsyncIterator[StepOutput]:
+        while True:
+            item = await queue.get()
+            yield item
+            if item.finished:
+                return
+
+    ahead = ReadAhead(engine_steps(), lambda: None)
+    taken: list[str] = []
+
+    async def consume() -> None:
+        async for s in ahead:
+            taken.append(s.chunks[0].text)
+
+    consumer = asyncio.create_task(consume())
+    for i in range(20):
+        queue.put_nowait(StepOutput([Chunk(0, str(i), 1)], 3, i == 19))
+        await asyncio.sleep(0.001)
+    await asyncio.wait_for(consumer, 5)
+    assert taken == [str(i) for i in range(20)]
