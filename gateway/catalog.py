@@ -93,21 +93,33 @@ class RoutingTable:
         routes = {name: r for name, r in self.routes.items() if name not in failed}
         return RoutingTable(self.base, routes, {**self.errors, **failed}, loaded_at=self.loaded_at)
 
-    def resolve(self, model: str | None, task: str | None = None) -> Route:
-        """Pick the route for a request. Unknown names raise 404; never a fallback."""
+    def resolve(
+        self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
+    ) -> Route:
+        """Pick the route for a request. Unknown names raise 404; never a fallback. A route
+        that ``allowed`` refuses (a key's scope) is unknown too, before ``model`` and
+        ``task`` are compared: a 400 there would tell the key that the route exists. The
+        base model's name beside a ``task`` only says which model: the task picks."""
+
+        def visible(route: Route) -> bool:
+            return allowed is None or allowed(route.name)
+
         by_model = None
         if model:
             by_model = self._by_name.get(model)
-            if by_model is None:
+            if by_model is None or not (visible(by_model) or (task and by_model is self.base)):
                 raise ModelNotFound(model)
         if task:
             by_task = self._by_task.get(task)
-            if by_task is None:
+            if by_task is None or not visible(by_task):
                 raise ModelNotFound(task, param="task")
             if by_model is not None and by_model is not self.base and by_model is not by_task:
                 raise InvalidRequest(f"model '{model}' and task '{task}' name different routes", param="task")
             return by_task
-        return by_model if by_model is not None else self.base
+        route = by_model if by_model is not None else self.base
+        if not visible(route):  # no model (house /chat, /tokenize): the base model
+            raise ModelNotFound(route.name)
+        return route
 
 
 def load_table(
@@ -357,9 +369,7 @@ class Catalog:
     def acquire(
         self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
     ) -> Lease:
-        route = self.table.resolve(model, task)
-        if allowed is not None and not allowed(route.name):
-            raise ModelNotFound(model or task or route.name, param="model" if model else "task")
+        route = self.table.resolve(model, task, allowed)
         if route.lora is not None:
             lora_id = route.lora.lora_id
             route = self._unique_engine_name(route, lora_id)

@@ -129,6 +129,28 @@ async def test_a_key_limited_to_routes_sees_only_those(serve: Serve) -> None:
     assert len(served.engine.calls) == 1  # only the allowed request reached the engine
 
 
+async def test_a_scoped_key_learns_nothing_from_a_model_and_task_that_disagree(serve: Serve) -> None:
+    """A route the key may not use is a 404 before ``model`` and ``task`` are compared: the
+    400 "name different routes" would tell the key that the route exists."""
+    served = await serve()
+    only = {"Authorization": f"Bearer {SHOUT_ONLY_KEY}"}
+    for model, task, param in [("json", "shouting", "model"), ("shout", "extract", "task")]:
+        body = chat_body(model, task=task, max_tokens=2)
+        r = await served.http.post("/v1/chat/completions", json=body, headers=only)
+        assert assert_openai_error(r, 404, "model_not_found")["param"] == param
+        r = await served.http.post(
+            "/tokenize", json={"model": model, "task": task, "prompt": "x"}, headers=only
+        )
+        assert assert_openai_error(r, 404, "model_not_found")["param"] == param
+    # the base model's name with a task the key may use: the task picks, as for any key
+    r = await served.http.post("/v1/chat/completions", json=chat_body(BASE, task="shouting"), headers=only)
+    assert r.status_code == 200 and r.json()["model"] == "shout"
+    # no model at all (house /chat): the base model, which this key may not use
+    house = await served.http.post("/chat", json={"question": "hi"}, headers=only)
+    assert assert_openai_error(house, 404, "model_not_found")["param"] == "model"
+    assert len(served.engine.calls) == 1
+
+
 async def test_a_key_limited_to_routes_may_not_read_metrics(serve: Serve) -> None:
     """Metrics name every route: the key would learn of the routes /v1/models hides from it."""
     scrape = "sk-test-scrape-only"
