@@ -146,13 +146,18 @@ def load_table(
         tool_parser=spec.base.tool_parser,
     )
     taken = {base.name, *base.aliases}
+    taken_tasks = set(base.tasks)
     # A route's own name is its own wherever the entry stands, rejected or not: an alias on
     # another entry that names it is that entry's clash, so an edit never moves an existing
     # route's traffic to another adapter (and a broken entry keeps its name until fixed).
+    # The base model's entry cannot be rejected alone: an alias of it that names a route
+    # is the file's error (the last good table keeps serving).
     owners: dict[str, int] = {}
     for index, item in enumerate(spec.routes):
         if isinstance(item, dict) and isinstance(item.get("name"), str):
             owners.setdefault(item["name"], index)
+    if stolen := sorted(set(base.aliases) & owners.keys()):
+        raise ConfigError(f"{catalog_path}: base.aliases: {', '.join(stolen)} is a route's name")
     routes: dict[str, Route] = {}
     errors: dict[str, str] = {}
     for index, item in enumerate(spec.routes):
@@ -163,6 +168,8 @@ def load_table(
             clash.update(a for a in entry.aliases if owners.get(a, index) != index)
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
+            if clash := taken_tasks.intersection(entry.tasks):  # one route per task, never a guess
+                raise ConfigError(f"task already used: {', '.join(sorted(clash))}")
             route = _build_route(
                 entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids, catalog_path.parent
             )
@@ -180,6 +187,7 @@ def load_table(
             log.error("catalog entry %s rejected: %s", label, errors[label])
             continue
         taken.update([route.name, *route.aliases])
+        taken_tasks.update(route.tasks)
         routes[route.name] = route
     return RoutingTable(base=base, routes=routes, errors=errors, loaded_at=loaded_at)
 

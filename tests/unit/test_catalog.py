@@ -236,6 +236,27 @@ def test_a_broken_entry_keeps_its_name_from_another_entrys_alias(tmp_path: Path,
     assert "not found" in table.errors["json"] and "already used: json" in table.errors["other"]
 
 
+def test_a_task_that_another_entry_uses_rejects_the_entry_that_repeats_it(tmp_path: Path, root: Path) -> None:
+    """A task names one route: a second entry with it was accepted and its task silently went
+    to the first (the base model's tasks come first, as its aliases do)."""
+    text = CATALOG + "  - {name: other, system_prompt: x, tasks: [shouting]}\n"
+    text += "  - {name: general-preset, system_prompt: x, tasks: [general]}\n"
+    table = table_for(tmp_path, root, text)
+    assert table.errors == {
+        "other": "task already used: shouting",
+        "general-preset": "task already used: general",
+    }
+    assert table.resolve(None, "shouting").name == "shout"
+    assert table.resolve(None, "general") is table.base
+
+
+def test_a_base_alias_that_names_a_route_is_the_files_error(tmp_path: Path, root: Path) -> None:
+    """The base model's alias took the route's own name and the route was rejected, so an
+    edit of the base entry moved the route's traffic to the base model."""
+    with pytest.raises(ConfigError, match=r"base.aliases: shout is a route's name"):
+        table_for(tmp_path, root, CATALOG.replace("aliases: [base]", "aliases: [base, shout]"))
+
+
 def test_rank_check_uses_engine_limit(tmp_path: Path, root: Path) -> None:
     table = table_for(tmp_path, root, max_lora_rank=4)
     assert "rank 8 is above engine.max_lora_rank=4" in table.errors["shout"]
