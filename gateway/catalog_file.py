@@ -6,13 +6,19 @@ and builds its immutable ``RoutingTable`` from them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # How ``tool_choice: auto`` answers become tool calls (``gateway.tools``): ``json`` reads the
 # JSON calls that configs/templates/gemma-tools.jinja asks for; ``none`` keeps them as text.
 ToolParser = Literal["json", "none"]
+
+# What a request's ``model`` or ``task`` can name: no empty name (a request's empty ``model`` is
+# no model), no whitespace (never matched by a client that trims it), no control characters.
+# An alias may hold a slash, as Hugging Face ids do (``google/gemma-3-270m-it``).
+Alias = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
+Task = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 
 
 class SamplingDefaults(BaseModel):
@@ -29,8 +35,8 @@ class RouteEntry(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
     adapter: str | None = None
-    aliases: list[str] = Field(default_factory=list)
-    tasks: list[str] = Field(default_factory=list)
+    aliases: list[Alias] = Field(default_factory=list)
+    tasks: list[Task] = Field(default_factory=list)
     system_prompt: str | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
@@ -50,8 +56,8 @@ class RouteEntry(BaseModel):
 class BaseEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    aliases: list[str] = Field(default_factory=list)
-    tasks: list[str] = Field(default_factory=list)
+    aliases: list[Alias] = Field(default_factory=list)
+    tasks: list[Task] = Field(default_factory=list)
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     tool_parser: ToolParser = "json"
 

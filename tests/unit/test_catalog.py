@@ -257,6 +257,31 @@ def test_a_base_alias_that_names_a_route_is_the_files_error(tmp_path: Path, root
         table_for(tmp_path, root, CATALOG.replace("aliases: [base]", "aliases: [base, shout]"))
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("aliases", "''", "aliases.0: String should have at least 1 character"),
+        ("aliases", "'two words'", "aliases.0: String should match pattern"),
+        ("aliases", "' loud2'", "aliases.0: String should match pattern"),
+        ("tasks", "''", "tasks.0: String should have at least 1 character"),
+        ("tasks", "'a/b'", "tasks.0: String should match pattern"),
+    ],
+)
+def test_aliases_and_tasks_are_names_a_request_can_send(
+    tmp_path: Path, root: Path, field: str, value: str, reason: str
+) -> None:
+    """An empty alias or task could never be asked for (an empty ``model`` is no model) yet
+    was listed in /v1/models; one with a space was one no client that trims could reach."""
+    table = table_for(
+        tmp_path, root, CATALOG + f"  - {{name: other, system_prompt: x, {field}: [{value}]}}\n"
+    )
+    assert reason in table.errors["other"] and "other" not in table.routes
+    line = {"aliases": "aliases: [base]", "tasks": "tasks: [general]"}[field]
+    with pytest.raises(ConfigError, match=f"base.{reason}"):  # the base entry: the file's error
+        table_for(tmp_path, root, CATALOG.replace(line, line.replace("[", f"[{value}, ")))
+    assert table_for(tmp_path, root, CATALOG.replace("[base]", "[base, google/gemma-3-270m-it]"))
+
+
 def test_rank_check_uses_engine_limit(tmp_path: Path, root: Path) -> None:
     table = table_for(tmp_path, root, max_lora_rank=4)
     assert "rank 8 is above engine.max_lora_rank=4" in table.errors["shout"]
