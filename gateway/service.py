@@ -271,6 +271,12 @@ class ChatService:
         return gen
 
     async def complete(self, request: CompletionRequest, lease: Lease) -> Generation:
+        if lease.route.system_prompt:  # a raw prompt has no place for it: refused, not dropped
+            raise InvalidRequest(
+                f"route '{lease.route.name}' answers with a system prompt, which a completion's raw "
+                "prompt cannot carry; use /v1/chat/completions",
+                param="model",
+            )
         prompts = [await self._completion_ids(p, request.add_special_tokens) for p in request.prompts]
         echo = None
         prompt_only = request.echo and request.max_tokens == 0
