@@ -97,12 +97,12 @@ class RoutingTable:
         self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
     ) -> Route:
         """Pick the route for a request. Unknown names raise 404; never a fallback. A route
-        that ``allowed`` refuses (a key's scope) is unknown too, before ``model`` and
-        ``task`` are compared: a 400 there would tell the key that the route exists. The
-        base model's name beside a ``task`` only says which model: the task picks."""
+        whose name and aliases ``allowed`` all refuse (a key's scope) is unknown too, before
+        ``model`` and ``task`` are compared: a 400 there would tell the key that the route
+        exists. The base model's name beside a ``task`` only says which model: the task picks."""
 
         def visible(route: Route) -> bool:
-            return allowed is None or allowed(route.name)
+            return allowed is None or any(map(allowed, (route.name, *route.aliases)))
 
         by_model = None
         if model:

@@ -382,7 +382,8 @@ def _visible_cards(request: Request) -> list[dict[str, Any]]:
     cards = model_cards(gw.catalog_or_503(), int(gw.started), gw.adapters)
     if principal is None:
         return cards
-    return [c for c in cards if principal.may_use(c.get("alias_of") or c["id"])]
+    # a key may name a route by an alias: the route's cards, aliases and all, are its
+    return [c for c in cards if any(map(principal.may_use, (c.get("alias_of") or c["id"], *c["aliases"])))]
 
 
 async def list_models(request: Request) -> Response:

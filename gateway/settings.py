@@ -91,7 +91,7 @@ class ApiKey(_Section):
     name: str = Field(min_length=1, max_length=64)
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     key: str | None = Field(None, min_length=8, exclude=True, repr=False)
-    routes: list[str] | None = Field(None, description="route names this key may use; none = all")
+    routes: list[str] | None = Field(None, description="routes this key may use (name or alias); none = all")
     admin: bool = False
     max_concurrency: int | None = Field(None, ge=1, description="requests at once for this key")
     weight: float = Field(1.0, gt=0, le=1000, description="share of contended LoRA slots (fair queuing)")

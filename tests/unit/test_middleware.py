@@ -151,6 +151,24 @@ async def test_a_scoped_key_learns_nothing_from_a_model_and_task_that_disagree(s
     assert len(served.engine.calls) == 1
 
 
+async def test_a_key_may_name_its_routes_by_alias(serve: Serve) -> None:
+    """``routes: [loud, base]`` (an alias of shout, the base model's alias) let the key use
+    nothing and list nothing: the scope was matched against route names only."""
+    by_alias = "sk-test-by-alias"
+    keys = [{"name": "user", "key": USER_KEY}, {"name": "alias", "key": by_alias, "routes": ["loud", "base"]}]
+    served = await serve(auth__keys=keys)
+    headers = {"Authorization": f"Bearer {by_alias}"}
+    for model in ("shout", "loud", BASE, "base"):
+        r = await served.http.post(
+            "/v1/chat/completions", json=chat_body(model, max_tokens=2), headers=headers
+        )
+        assert r.status_code == 200, (model, r.text)
+    r = await served.http.post("/v1/chat/completions", json=chat_body("json"), headers=headers)
+    assert_openai_error(r, 404, "model_not_found")
+    models = (await served.http.get("/v1/models", headers=headers)).json()["data"]
+    assert {m["id"] for m in models} == {"shout", "loud", BASE, "base"}
+
+
 async def test_a_key_limited_to_routes_may_not_read_metrics(serve: Serve) -> None:
     """Metrics name every route: the key would learn of the routes /v1/models hides from it."""
     scrape = "sk-test-scrape-only"
