@@ -162,10 +162,12 @@ def load_table(
     errors: dict[str, str] = {}
     for index, item in enumerate(spec.routes):
         label = str(item.get("name", f"routes[{index}]")) if isinstance(item, dict) else f"routes[{index}]"
+        if owners.get(label, index) != index:  # a later entry with an earlier one's name
+            label = f"routes[{index}]"  # is reported as itself, beside the route of that name
         try:
             entry = RouteEntry.model_validate(item)
             clash = taken.intersection([entry.name, *entry.aliases])
-            clash.update(a for a in entry.aliases if owners.get(a, index) != index)
+            clash.update(a for a in [entry.name, *entry.aliases] if owners.get(a, index) != index)
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
             if clash := taken_tasks.intersection(entry.tasks):  # one route per task, never a guess

@@ -221,6 +221,19 @@ def test_duplicate_names_are_rejected(tmp_path: Path, root: Path) -> None:
     assert "already used: loud" in table.errors["other"]
 
 
+def test_a_repeated_name_is_rejected_even_while_the_first_entry_is_broken(tmp_path: Path, root: Path) -> None:
+    """The second ``dup`` served while the first was broken, so fixing the first moved the
+    route's traffic to other weights; and each entry's report overwrote the other's."""
+    text = CATALOG + "  - {name: dup, adapter: missing}\n  - {name: dup, adapter: shout}\n"
+    table = table_for(tmp_path, root, text)
+    assert "dup" not in table.routes
+    assert "not found" in table.errors["dup"] and table.errors["routes[4]"] == "name already used: dup"
+    text = CATALOG + "  - {name: dup, adapter: shout}\n  - {name: dup, adapter: json}\n"
+    table = table_for(tmp_path, root, text)
+    assert table.resolve("dup").lora is not None and "dup" not in table.errors
+    assert table.errors["routes[4]"] == "name already used: dup"
+
+
 def test_an_alias_never_takes_another_routes_name(tmp_path: Path, root: Path) -> None:
     """An alias added to an earlier entry that names a later route must not reject that
     route and send its traffic to another adapter: the entry with the alias is the clash."""
