@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -158,6 +159,8 @@ def load_table(
             owners.setdefault(item["name"], index)
     if stolen := sorted(set(base.aliases) & owners.keys()):
         raise ConfigError(f"{catalog_path}: base.aliases: {', '.join(stolen)} is a route's name")
+    if twice := _repeated([base.name, *base.aliases]):
+        raise ConfigError(f"{catalog_path}: base.aliases: {twice} is named twice")
     routes: dict[str, Route] = {}
     errors: dict[str, str] = {}
     for index, item in enumerate(spec.routes):
@@ -170,6 +173,8 @@ def load_table(
             clash.update(a for a in [entry.name, *entry.aliases] if owners.get(a, index) != index)
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
+            if twice := _repeated([entry.name, *entry.aliases]):  # one model card per name
+                raise ConfigError(f"aliases: {twice} is named twice")
             if clash := taken_tasks.intersection(entry.tasks):  # one route per task, never a guess
                 raise ConfigError(f"task already used: {', '.join(sorted(clash))}")
             route = _build_route(
@@ -192,6 +197,12 @@ def load_table(
         taken_tasks.update(route.tasks)
         routes[route.name] = route
     return RoutingTable(base=base, routes=routes, errors=errors, loaded_at=loaded_at)
+
+
+def _repeated(names: list[str]) -> str | None:
+    """The names listed more than once, or None: each would be a second card in /v1/models."""
+    counts = Counter(names)
+    return ", ".join(sorted(n for n, c in counts.items() if c > 1)) or None
 
 
 def _read_spec(catalog_path: Path) -> CatalogFile:

@@ -234,6 +234,16 @@ def test_a_repeated_name_is_rejected_even_while_the_first_entry_is_broken(tmp_pa
     assert table.errors["routes[4]"] == "name already used: dup"
 
 
+def test_a_name_listed_twice_on_one_entry_is_an_error_not_a_second_card(tmp_path: Path, root: Path) -> None:
+    """An alias that repeats its entry's name or another of its aliases was accepted and gave
+    /v1/models two cards with one id."""
+    for extra in ("aliases: [other]", "aliases: [z, z]"):
+        table = table_for(tmp_path, root, CATALOG + f"  - {{name: other, system_prompt: x, {extra}}}\n")
+        assert "is named twice" in table.errors["other"] and "other" not in table.routes
+    with pytest.raises(ConfigError, match="base.aliases: base-model is named twice"):
+        table_for(tmp_path, root, CATALOG.replace("aliases: [base]", "aliases: [base, base-model]"))
+
+
 def test_an_alias_never_takes_another_routes_name(tmp_path: Path, root: Path) -> None:
     """An alias added to an earlier entry that names a later route must not reject that
     route and send its traffic to another adapter: the entry with the alias is the clash."""
