@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 import time
@@ -32,6 +33,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.metrics import RequestRecord
+from gateway.middleware import send_error
 from gateway.protocol import invalid_request
 from gateway.service import Collected, Generation
 from gateway.settings import LimitSettings
@@ -127,10 +129,16 @@ class SSEResponse(StreamingResponse):
         on_close: Callable[[], None] | None = None,
         *,
         send_timeout_s: float,
+        stop: asyncio.Future[GatewayError] | None = None,
+        on_stop: Callable[[GatewayError], bytes] | None = None,
     ) -> None:
         self.record = record
         self.on_close = on_close  # runs however the stream ends, even if it never started
         self.send_timeout_s = send_timeout_s
+        # ``Gateway.stopping``: done when the drain timed out; the stream then ends with the
+        # error event ``on_stop`` renders (it also books the error on the generation).
+        self.stop = stop
+        self.on_stop = on_stop
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -142,8 +150,17 @@ class SSEResponse(StreamingResponse):
         stream = asyncio.ensure_future(self.stream_response(watch.send))
         gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
         stalled = asyncio.ensure_future(watch.stalled(self.send_timeout_s))
+        waits: set[asyncio.Future[Any]] = {stream, gone, stalled}
+        if self.stop is not None:
+            waits.add(self.stop)
         try:
-            done, _ = await asyncio.wait({stream, gone, stalled}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if self.stop is not None and not done & {stream, gone, stalled}:
+                stream.cancel()  # aborts the generation (its steps close)
+                with suppress(BaseException):
+                    await stream
+                await self._send_stop(watch, self.stop.result())
+                return
             # uvicorn answers http.disconnect as soon as a response is complete, so both
             # can be done at once: only a stream cut short (or failing to send) means that
             # the client left. A failed send is enough: uvicorn tells a disconnect only to a
@@ -165,6 +182,18 @@ class SSEResponse(StreamingResponse):
             if self.on_close is not None:
                 self.on_close()
 
+    async def _send_stop(self, watch: _SendWatch, error: GatewayError) -> None:
+        """End the stream with ``error``: its error event, or the error itself (a 503) if the
+        status line has not gone out yet. A client that does not read is cut by uvicorn."""
+        exc = copy.copy(error)
+        if not watch.started:
+            await send_error(watch.send, exc)
+            return
+        body = self.on_stop(exc) if self.on_stop is not None else b""
+        with suppress(OSError):  # the client is gone already
+            await watch.send({"type": "http.response.body", "body": body, "more_body": True})
+            await watch.send({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 class _SendWatch:
     """A stream's ``send``, timed: ``stalled`` returns once one send has been blocked for
@@ -173,14 +202,16 @@ class _SendWatch:
     its connection stays open; past ``limits.send_timeout_s`` it counts as gone (nginx's
     ``send_timeout``). A client that reads, however slowly, is never cut."""
 
-    __slots__ = ("_send", "since")
+    __slots__ = ("_send", "since", "started")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.since: float | None = None  # when the send in progress began
+        self.started = False  # the status line went out
 
     async def send(self, message: Message) -> None:
         self.since = time.monotonic()
+        self.started = True
         try:
             await self._send(message)
         finally:
@@ -200,12 +231,18 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def collect_unless_gone(request: Request, gen: Generation) -> Collected | None:
-    """Collect a whole response; None (and aborted in the engine) if the client leaves first."""
+async def collect_unless_gone(
+    request: Request, gen: Generation, stop: asyncio.Future[GatewayError] | None = None
+) -> Collected | None:
+    """Collect a whole response; None (and aborted in the engine) if the client leaves first.
+    ``stop`` done first (``Gateway.stopping``): aborted, and its error raised."""
     work = asyncio.ensure_future(gen.collect())
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    waits: set[asyncio.Future[Any]] = {work, gone}
+    if stop is not None:
+        waits.add(stop)
     try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not work.done():
@@ -214,6 +251,8 @@ async def collect_unless_gone(request: Request, gen: Generation) -> Collected | 
     if work not in done:
         with suppress(BaseException):
             await work
+        if stop is not None and gone not in done:
+            raise copy.copy(stop.result())
         return None
     return work.result()
 

@@ -18,7 +18,7 @@ from starlette.routing import Route as HttpRoute
 
 from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
 from gateway.catalog import Catalog, Lease, Route
-from gateway.errors import InvalidRequest, ModelNotFound, NotFound, PermissionDenied
+from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, PermissionDenied
 from gateway.metrics import RequestRecord
 from gateway.middleware import Principal
 from gateway.openapi import openapi_json
@@ -174,12 +174,18 @@ async def create_response(request: Request) -> Response:
         encoder = ResponseEventEncoder(draft) if gen.tools.mode == "none" else ResponseToolEncoder(draft)
         events = stream_events(gen, encoder, save if body.store else None)
         return SSEResponse(
-            events, route_headers(gen), record, gen.close, send_timeout_s=gw.settings.limits.send_timeout_s
+            events,
+            route_headers(gen),
+            record,
+            gen.close,
+            send_timeout_s=gw.settings.limits.send_timeout_s,
+            stop=gw.stopping(),
+            on_stop=_error_event(gen, encoder),
         )
     record = _track(request, gen, False, prompt)
     if record is not None:
         record.response_id = draft.id
-    result = await collect_unless_gone(request, gen)
+    result = await collect_unless_gone(request, gen, gw.stopping())
     if result is None:
         if record is not None:
             record.disconnected = True
@@ -308,14 +314,29 @@ def _track(
 
 def _stream(request: Request, gen: Generation, encoder: StreamEncoder, prompt: Callable[[], Any]) -> Response:
     record = _track(request, gen, True, prompt)
-    limits = _gateway(request).settings.limits
+    gw = _gateway(request)
     return SSEResponse(
         encode_stream(gen, encoder),
         route_headers(gen),
         record,
         gen.close,
-        send_timeout_s=limits.send_timeout_s,
+        send_timeout_s=gw.settings.limits.send_timeout_s,
+        stop=gw.stopping(),
+        on_stop=_error_event(gen, encoder),
     )
+
+
+def _error_event(
+    gen: Generation, encoder: StreamEncoder | ResponseEventEncoder
+) -> Callable[[GatewayError], bytes]:
+    """What a stream the gateway stops ends with: its format's error event, the error booked
+    on the generation (the access log and metrics count it as that error)."""
+
+    def render(exc: GatewayError) -> bytes:
+        gen.error = exc
+        return encoder.error(exc)
+
+    return render
 
 
 async def _whole(
@@ -325,7 +346,7 @@ async def _whole(
     prompt: Callable[[], Any],
 ) -> Response:
     record = _track(request, gen, False, prompt)
-    result = await collect_unless_gone(request, gen)
+    result = await collect_unless_gone(request, gen, _gateway(request).stopping())
     if result is None:  # the client left; nobody reads this (499 is nginx's word for it)
         if record is not None:
             record.disconnected = True

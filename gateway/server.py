@@ -1,6 +1,7 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT refuses new work (503, ``/ready`` 503)
-and lets in-flight requests finish within ``limits.drain_timeout_s``; then uvicorn shuts
-down, and the lifespan stops the engine last. A second signal stops at once.
+and lets in-flight requests finish within ``limits.drain_timeout_s``; those still running
+then end with a 503 or an error event (``Gateway.stop_requests``), uvicorn shuts down, and
+the lifespan stops the engine last. A second signal stops at once.
 
 ``bind_socket`` opens the listening socket before anything else starts, so an address
 in use stops the process at once instead of after the engine was built."""
@@ -67,6 +68,9 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if self.gateway.admission.inflight:
             log.warning("drain timeout: %d request(s) still in flight", self.gateway.admission.inflight)
+            # They end with a 503 or an error event, aborted in the engine, in the moment
+            # uvicorn's own shutdown gives them; it cancels what is left after that.
+            self.gateway.stop_requests()
         self.should_exit = True
 
     def exit_now(self) -> None:

@@ -52,6 +52,7 @@ class Gateway:
         )
         self.service = ChatService(self.engine, settings.limits, self.scheduler)
         self.reload_now = asyncio.Event()  # set by SIGHUP: reload even if no file changed
+        self._stopping: asyncio.Future[GatewayError] | None = None  # ``stop_requests``
         self.exit_code = 0
         self._model_shapes: ModelShapes | None = None
         self.snapshots: SnapshotDir | None = None  # the adapter copies the engine loads
@@ -144,6 +145,21 @@ class Gateway:
             if self.engine.ready:
                 with contextlib.suppress(GatewayError):
                     await self.adapters.refresh()
+
+    def stopping(self) -> asyncio.Future[GatewayError]:
+        """Done, with the error to end them with, once requests still in flight must stop
+        (``stop_requests``); streams and whole responses wait on it with their client."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        return self._stopping
+
+    def stop_requests(self) -> None:
+        """The drain timed out: what is still in flight ends now, aborted in the engine, with
+        a 503 (an error event once a stream has started) rather than a cut connection."""
+        stopping = self.stopping()
+        if not stopping.done():
+            retry = {"Retry-After": str(self.admission.retry_after_s)}
+            stopping.set_result(EngineUnavailable("the gateway is shutting down", headers=retry))
 
     # -- per request ------------------------------------------------------------------
     @property

@@ -1,0 +1,86 @@
+"""The end of a drain (``DrainingServer``): requests still in flight when
+``limits.drain_timeout_s`` runs out end with a 503, or their format's error event once the
+stream has started, and are aborted in the engine; none is left to be cut by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import uvicorn
+
+from gateway.server import DrainingServer
+from tests.helpers import assert_openai_error, chat_body, eventually_async
+from tests.unit.conftest import ADMIN, Serve
+from tests.unit.fakes import FakeEngine
+from tests.unit.test_routes import sse_data
+
+
+async def test_the_drain_timeout_stops_what_is_still_in_flight() -> None:
+    stopped: list[bool] = []
+    admission = SimpleNamespace(inflight=1, draining=True)
+    gw: Any = SimpleNamespace(
+        admission=admission,
+        settings=SimpleNamespace(limits=SimpleNamespace(drain_timeout_s=0.1)),
+        stop_requests=lambda: stopped.append(True),
+    )
+    server = DrainingServer(uvicorn.Config(lambda *_: None), gw)
+    await server._drain()
+    assert stopped == [True] and server.should_exit
+
+
+async def test_stopped_streams_end_with_an_error_event_and_are_aborted(serve: Serve) -> None:
+    served = await serve(FakeEngine(gate=asyncio.Event()))
+    chat = asyncio.ensure_future(
+        served.http.post("/v1/chat/completions", json=chat_body("base", stream=True))
+    )
+    house = asyncio.ensure_future(served.http.post("/chat", json={"question": "Hi", "stream": True}))
+    responses = asyncio.ensure_future(
+        served.http.post(
+            "/v1/responses", json={"model": "base", "input": "Hi", "stream": True, "store": True}
+        )
+    )
+    await eventually_async(lambda: served.engine.running == 3, 5, "three streams in the engine")
+    served.gw.stop_requests()
+    chat_events = sse_data((await asyncio.wait_for(chat, 5)).text)
+    assert json.loads(chat_events[0])["choices"][0]["delta"]["role"] == "assistant"
+    error = json.loads(chat_events[-1])["error"]
+    assert (error["type"], error["message"]) == ("service_unavailable", "the gateway is shutting down")
+    assert (await asyncio.wait_for(house, 5)).text.endswith(
+        'event: error\ndata: {"error": "the gateway is shutting down"}\n\n'
+    )
+    events = [e for e in (await asyncio.wait_for(responses, 5)).text.split("\n\n") if e]
+    last = json.loads(events[-1].split("\ndata: ", 1)[1])
+    assert last["type"] == "response.failed"
+    assert last["response"]["error"]["message"] == "the gateway is shutting down"
+    await eventually_async(lambda: len(served.engine.aborted) == 3, 5, "all three aborted")
+    assert served.gw.admission.inflight == 0
+    stored = await served.http.get(f"/v1/responses/{last['response']['id']}")
+    assert stored.status_code == 404  # a failed stream is not stored, as any that fails
+
+
+async def test_stopped_whole_answers_and_queued_lora_requests_get_a_503(serve: Serve) -> None:
+    served = await serve(FakeEngine(gate=asyncio.Event()), engine__max_loras=1)
+    base = asyncio.ensure_future(served.http.post("/v1/chat/completions", json=chat_body("base")))
+    shout = asyncio.ensure_future(served.http.post("/v1/chat/completions", json=chat_body("shout")))
+    await eventually_async(lambda: served.engine.running == 2, 5, "base and shout in the engine")
+    queued = asyncio.ensure_future(
+        served.http.post("/v1/chat/completions", json=chat_body("json", stream=True))
+    )
+
+    async def json_queued() -> bool:
+        status = (await served.http.get("/admin/status", headers=ADMIN)).json()
+        return bool(status["lora_scheduler"]["queued"])
+
+    await eventually_async(json_queued, 5, "json waits for shout's slot")
+    served.gw.stop_requests()
+    for r in await asyncio.wait_for(asyncio.gather(base, shout), 5):
+        assert assert_openai_error(r, 503)["message"] == "the gateway is shutting down"
+        assert r.headers["retry-after"] == "1"
+    events = sse_data((await asyncio.wait_for(queued, 5)).text)
+    assert json.loads(events[-1])["error"]["type"] == "service_unavailable"
+    assert served.engine.running == 0 and len(served.engine.calls) == 2  # json never reached it
+    assert served.gw.admission.inflight == 0
+    assert served.gw.scheduler is not None and served.gw.scheduler.queued == 0
