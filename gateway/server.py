@@ -1,7 +1,8 @@
 """uvicorn with a drain: the first SIGTERM/SIGINT refuses new work (503, ``/ready`` 503)
 and lets in-flight requests finish within ``limits.drain_timeout_s``; those still running
 then end with a 503 or an error event (``Gateway.stop_requests``), uvicorn shuts down, and
-the lifespan stops the engine last. A second signal stops at once.
+the lifespan stops the engine last. A second signal stops at once (what is in flight ends
+with a 503 or an error event); the exit status stays 0.
 
 ``bind_socket`` opens the listening socket before anything else starts, so an address
 in use stops the process at once instead of after the engine was built."""
@@ -52,8 +53,18 @@ class DrainingServer(uvicorn.Server):
         # A signal handler: it may run between any two bytecodes of the main thread, so it
         # only flips flags and hands the rest to the loop (no logging, no loop lookup here).
         admission = self.gateway.admission
-        if admission.draining or self.should_exit or self._loop is None:
+        if self._loop is None:
             super().handle_exit(sig, frame)
+            return
+        if admission.draining or self.should_exit:
+            # A second signal stops at once: what is still in flight ends now, with a 503 or
+            # an error event. Not through uvicorn's handle_exit, which keeps the signal to
+            # raise it again once the server has stopped: the process would die by it after
+            # a clean stop (SIGTERM: status 143; SIGINT: a KeyboardInterrupt traceback).
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # as uvicorn: Ctrl-C while stopping skips its waits
+            self.should_exit = True
+            self._loop.call_soon_threadsafe(self.gateway.stop_requests)
             return
         admission.draining = True
         self._loop.call_soon_threadsafe(self._start_drain, sig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +30,25 @@ async def test_the_drain_timeout_stops_what_is_still_in_flight() -> None:
     server = DrainingServer(uvicorn.Config(lambda *_: None), gw)
     await server._drain()
     assert stopped == [True] and server.should_exit
+
+
+async def test_a_second_signal_stops_what_is_in_flight_at_once() -> None:
+    stopped: list[bool] = []
+    gw: Any = SimpleNamespace(
+        admission=SimpleNamespace(inflight=1, draining=False),
+        settings=SimpleNamespace(limits=SimpleNamespace(drain_timeout_s=60)),
+        stop_requests=lambda: stopped.append(True),
+    )
+    server = DrainingServer(uvicorn.Config(lambda *_: None), gw)
+    server._loop = asyncio.get_running_loop()
+    server.handle_exit(signal.SIGTERM, None)
+    await asyncio.sleep(0.01)
+    assert gw.admission.draining and not server.should_exit and stopped == []
+    server.handle_exit(signal.SIGINT, None)
+    await asyncio.sleep(0.01)
+    assert server.should_exit and not server.force_exit and stopped == [True]
+    if server._drain_task is not None:
+        server._drain_task.cancel()
 
 
 async def test_stopped_streams_end_with_an_error_event_and_are_aborted(serve: Serve) -> None:
