@@ -117,6 +117,9 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+STOP_SEND_S = 1.0  # a stopped stream's last sends (``SSEResponse._send_stop``)
+
+
 class SSEResponse(StreamingResponse):
     """A stream that always watches for the client leaving, whatever the ASGI version,
     so an abandoned request stops in the engine at once rather than at its next token."""
@@ -184,15 +187,21 @@ class SSEResponse(StreamingResponse):
 
     async def _send_stop(self, watch: _SendWatch, error: GatewayError) -> None:
         """End the stream with ``error``: its error event, or the error itself (a 503) if the
-        status line has not gone out yet. A client that does not read is cut by uvicorn."""
+        status line has not gone out yet. A client that does not read gets
+        ``STOP_SEND_S``, then counts as gone: uvicorn would cancel the request 2 s after it
+        stops (``timeout_graceful_shutdown``), with a traceback in the log."""
         exc = copy.copy(error)
-        if not watch.started:
-            await send_error(watch.send, exc)
-            return
-        body = self.on_stop(exc) if self.on_stop is not None else b""
-        with suppress(OSError):  # the client is gone already
-            await watch.send({"type": "http.response.body", "body": body, "more_body": True})
-            await watch.send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            async with asyncio.timeout(STOP_SEND_S):
+                if not watch.started:
+                    await send_error(watch.send, exc)
+                    return
+                body = self.on_stop(exc) if self.on_stop is not None else b""
+                await watch.send({"type": "http.response.body", "body": body, "more_body": True})
+                await watch.send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (TimeoutError, OSError):  # it takes no data, or it is gone already
+            if self.record is not None:
+                self.record.disconnected = True
 
 
 class _SendWatch:

@@ -7,11 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import uvicorn
+from starlette.types import Message
 
+from gateway.errors import EngineUnavailable, GatewayError
+from gateway.metrics import RequestRecord
+from gateway.responses import SSEResponse
 from gateway.server import DrainingServer
 from tests.helpers import assert_openai_error, chat_body, eventually_async
 from tests.unit.conftest import ADMIN, Serve
@@ -104,3 +109,35 @@ async def test_stopped_whole_answers_and_queued_lora_requests_get_a_503(serve: S
     assert served.engine.running == 0 and len(served.engine.calls) == 2  # json never reached it
     assert served.gw.admission.inflight == 0
     assert served.gw.scheduler is not None and served.gw.scheduler.queued == 0
+
+
+async def test_a_stopped_stream_whose_client_does_not_read_ends_before_uvicorn_cancels_it() -> None:
+    """A client that stopped reading blocks every send: the error event cannot go out, and the
+    stream must still end within uvicorn's 2 s (else it is cancelled: a traceback at exit)."""
+    sent: list[Message] = []
+    unblock = asyncio.Event()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if message.get("body"):
+            await unblock.wait()  # a full TCP window
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def tokens() -> AsyncIterator[bytes]:
+        while True:
+            yield b"data: {}\n\n"
+
+    stop: asyncio.Future[GatewayError] = asyncio.get_running_loop().create_future()
+    record = RequestRecord("id", "POST", "/v1/chat/completions")
+    response = SSEResponse(
+        tokens(), {}, record, send_timeout_s=60, stop=stop, on_stop=lambda exc: b"event: error\n\n"
+    )
+    call = asyncio.ensure_future(response({"type": "http"}, receive, send))
+    await eventually_async(lambda: len(sent) == 2, 5, "the stream blocked on its first event")
+    stop.set_result(EngineUnavailable("the gateway is shutting down"))
+    await asyncio.wait_for(call, 1.8)
+    assert record.disconnected  # it took nothing more: a client gone, not a 200
+    unblock.set()
