@@ -141,3 +141,14 @@ async def test_a_stopped_stream_whose_client_does_not_read_ends_before_uvicorn_c
     await asyncio.wait_for(call, 1.8)
     assert record.disconnected  # it took nothing more: a client gone, not a 200
     unblock.set()
+
+
+async def test_an_admin_reload_while_draining_is_a_503(serve: Serve) -> None:
+    served = await serve()
+    reloads = served.gw.catalog.reloads if served.gw.catalog is not None else None
+    served.gw.admission.draining = True
+    r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert assert_openai_error(r, 503)["message"] == "the gateway is shutting down"
+    assert r.headers["retry-after"] == "1"
+    assert served.gw.catalog is not None and served.gw.catalog.reloads == reloads
+    assert (await served.http.get("/admin/status", headers=ADMIN)).json()["draining"] is True
