@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -180,15 +180,7 @@ async def create_response(request: Request) -> Response:
             record.response_id = draft.id
         encoder = ResponseEventEncoder(draft) if gen.tools.mode == "none" else ResponseToolEncoder(draft)
         events = stream_events(gen, encoder, save if body.store else None)
-        return SSEResponse(
-            events,
-            route_headers(gen),
-            record,
-            gen.close,
-            send_timeout_s=gw.settings.limits.send_timeout_s,
-            stop=gw.stopping(),
-            on_stop=_error_event(gen, encoder),
-        )
+        return _sse(request, gen, events, record, encoder)
     record = _track(request, gen, False, prompt)
     if record is not None:
         record.response_id = draft.id
@@ -321,9 +313,20 @@ def _track(
 
 def _stream(request: Request, gen: Generation, encoder: StreamEncoder, prompt: Callable[[], Any]) -> Response:
     record = _track(request, gen, True, prompt)
+    return _sse(request, gen, encode_stream(gen, encoder), record, encoder)
+
+
+def _sse(
+    request: Request,
+    gen: Generation,
+    events: AsyncIterator[bytes],
+    record: RequestRecord | None,
+    encoder: StreamEncoder | ResponseEventEncoder,
+) -> SSEResponse:
+    """A stream's response: it watches its client (gone, stalled) and the drain's stop."""
     gw = _gateway(request)
     return SSEResponse(
-        encode_stream(gen, encoder),
+        events,
         route_headers(gen),
         record,
         gen.close,
