@@ -14,11 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field
 # JSON calls that configs/templates/gemma-tools.jinja asks for; ``none`` keeps them as text.
 ToolParser = Literal["json", "none"]
 
-# What a request's ``model`` or ``task`` can name: no empty name (a request's empty ``model`` is
-# no model), no whitespace (never matched by a client that trims it), no control characters.
-# An alias may hold a slash, as Hugging Face ids do (``google/gemma-3-270m-it``).
+# What a request's ``model`` or ``task`` can name (a route, a task): no empty name (a request's
+# empty ``model`` is no model), no whitespace (never matched by a client that trims it), no
+# control characters. An alias may also hold a slash, as Hugging Face ids do
+# (``google/gemma-3-270m-it``).
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 Alias = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
-Task = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 
 
 class SamplingDefaults(BaseModel):
@@ -33,10 +34,10 @@ class SamplingDefaults(BaseModel):
 class RouteEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    name: Name
     adapter: str | None = None
     aliases: list[Alias] = Field(default_factory=list)
-    tasks: list[Task] = Field(default_factory=list)
+    tasks: list[Name] = Field(default_factory=list)
     system_prompt: str | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
@@ -57,7 +58,7 @@ class BaseEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     aliases: list[Alias] = Field(default_factory=list)
-    tasks: list[Task] = Field(default_factory=list)
+    tasks: list[Name] = Field(default_factory=list)
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     tool_parser: ToolParser = "json"
 
