@@ -234,11 +234,15 @@ class Admission:
     draining: bool = False
     rejected: int = 0
 
+    def shutting_down(self) -> EngineUnavailable:
+        """The 503 of whatever the drain refuses or ends."""
+        return EngineUnavailable(
+            "the gateway is shutting down", headers={"Retry-After": str(self.retry_after_s)}
+        )
+
     def admit(self, principal: Principal | None) -> GatewayError | None:
         if self.draining:
-            return EngineUnavailable(
-                "the gateway is shutting down", headers={"Retry-After": str(self.retry_after_s)}
-            )
+            return self.shutting_down()
         retry = {"Retry-After": str(self.retry_after_s)}
         if self.inflight >= self.max_inflight:
             self.rejected += 1

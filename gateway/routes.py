@@ -19,7 +19,6 @@ from starlette.routing import Route as HttpRoute
 from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
 from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import (
-    EngineUnavailable,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
@@ -500,8 +499,7 @@ async def admin_reload(request: Request) -> Response:
     gw = _gateway(request)
     if gw.admission.draining:  # adapters loaded into an engine about to stop, which the drain
         # does not wait for: uvicorn would cancel the reload, or the engine stop under it
-        retry = {"Retry-After": str(gw.admission.retry_after_s)}
-        raise EngineUnavailable("the gateway is shutting down", headers=retry)
+        raise gw.admission.shutting_down()
     ok = await gw.reload_catalog()
     catalog = gw.catalog_or_503()
     body = {"reloaded": ok, "error": catalog.last_error, "routes": sorted(catalog.table.routes)}

@@ -158,8 +158,7 @@ class Gateway:
         a 503 (an error event once a stream has started) rather than a cut connection."""
         stopping = self.stopping()
         if not stopping.done():
-            retry = {"Retry-After": str(self.admission.retry_after_s)}
-            stopping.set_result(EngineUnavailable("the gateway is shutting down", headers=retry))
+            stopping.set_result(self.admission.shutting_down())
 
     # -- per request ------------------------------------------------------------------
     @property
