@@ -200,12 +200,10 @@ class GatewayMetrics:
             self.e2e.labels(route).observe(time.monotonic() - record.started)
 
     def render(self, queued: Mapping[str, int] | None = None) -> bytes:
-        """Ours, then vLLM's. ``queued`` (route -> LoRA requests waiting in the gateway for
-        their adapter's turn; empty when it does not schedule them) adds the router view
-        (``router_view``)."""
+        """Ours, then vLLM's with the router view (``router_view``). ``queued``: route -> LoRA
+        requests waiting in the gateway for their adapter's turn (None: it schedules none)."""
         engine = list(REGISTRY.collect())
-        if queued is not None:
-            engine += router_view(engine, queued, time.time())
+        engine += router_view(engine, queued or {}, time.time())
         return generate_latest(self.registry) + generate_latest(_Fixed(engine))
 
 

@@ -8,7 +8,6 @@ raised as ``GatewayError``s and rendered in one place (``responses.render_error`
 from __future__ import annotations
 
 import gc
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -439,7 +438,7 @@ async def metrics(request: Request) -> Response:
     m.queued.set(gw.engine.unfinished_requests() or 0)
     # The router view even with scheduling off (nothing queued here then): a router pointed
     # at it (deploy/README.md) must not lose its metrics when the scheduler is switched off.
-    queued = gw.scheduler.queued_routes() if gw.scheduler is not None else Counter[str]()
+    queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None
     return Response(m.render(queued), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
