@@ -56,6 +56,7 @@ class Gateway:
         self.exit_code = 0
         self._model_shapes: ModelShapes | None = None
         self.snapshots: SnapshotDir | None = None  # the adapter copies the engine loads
+        self._unknown_key_routes: dict[str, frozenset[str]] = {}  # warned of: ``_routes_changed``
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
         self.request_exit: Callable[[], None] = lambda: None
@@ -87,7 +88,7 @@ class Gateway:
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
             catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
             await catalog.load_adapters()
-            self.metrics.set_routes(route_names(catalog.table))
+            self._routes_changed(catalog.table)
             self.catalog = catalog  # /ready and requests: only once its adapters are loaded
             freeze_startup_heap()
         except (ConfigError, GatewayError) as exc:
@@ -116,8 +117,25 @@ class Gateway:
         ok = await catalog.reload()
         self.metrics.reloads.labels("ok" if ok else "error").inc()
         if ok:  # no await since the swap: no request has been counted under the new table
-            self.metrics.set_routes(route_names(catalog.table))
+            self._routes_changed(catalog.table)
         return ok
+
+    def _routes_changed(self, table: RoutingTable) -> None:
+        """The metrics' route labels, and a warning for each key whose ``routes:`` names
+        something no route answers to now (a typo, or a route gone): the key gets 404s there.
+        Said once per change, not at every reload."""
+        self.metrics.set_routes(route_names(table))
+        known = {name for r in table.all_routes() for name in (r.name, *r.aliases)}
+        for key in self.settings.auth.keys:
+            unknown = frozenset(key.routes or ()) - known
+            if unknown and unknown != self._unknown_key_routes.get(key.name):
+                log.warning(
+                    "API key '%s' may use %s, which no route of the catalog answers to: "
+                    "its requests there get 404 model_not_found",
+                    key.name,
+                    ", ".join(sorted(unknown)),
+                )
+            self._unknown_key_routes[key.name] = unknown
 
     def close(self) -> None:
         """What outlives the engine: the response store and the adapter copies."""

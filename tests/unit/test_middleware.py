@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -167,6 +168,35 @@ async def test_a_key_may_name_its_routes_by_alias(serve: Serve) -> None:
     assert_openai_error(r, 404, "model_not_found")
     models = (await served.http.get("/v1/models", headers=headers)).json()["data"]
     assert {m["id"] for m in models} == {"shout", "loud", BASE, "base"}
+
+
+async def test_a_key_naming_no_route_is_warned_of_once_per_change(
+    serve: Serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``routes: [shuot]`` (a typo) let the key use nothing, and nothing said why."""
+    keys = [
+        {"name": "user", "key": USER_KEY},
+        {"name": "typo", "key": "sk-test-typo", "routes": ["shuot", "loud"]},
+    ]
+    caplog.set_level(logging.WARNING, logger="gateway.state")
+    served = await serve(auth__keys=keys)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no route of the catalog" in r.getMessage()]
+
+    assert warnings() == [
+        "API key 'typo' may use shuot, which no route of the catalog answers to: "
+        "its requests there get 404 model_not_found"
+    ]
+    assert await served.gw.reload_catalog()
+    assert len(warnings()) == 1  # the same names: said once
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(catalog.read_text().replace("aliases: [loud", "aliases: [shuot, loud"))
+    assert await served.gw.reload_catalog()
+    assert len(warnings()) == 1  # now it answers: nothing to say
+    catalog.write_text(catalog.read_text().replace("aliases: [shuot, loud", "aliases: [caps"))
+    assert await served.gw.reload_catalog()
+    assert "may use loud, shuot," in warnings()[-1] and len(warnings()) == 2
 
 
 async def test_a_key_limited_to_routes_may_not_read_metrics(serve: Serve) -> None:
