@@ -270,13 +270,18 @@ class EngineManager:
         await self._require().remove_lora(lora_id)
 
     async def pin_lora(self, lora_id: int) -> None:
-        """Keep an added adapter in a GPU slot (never evicted by the engine's LRU)."""
+        """Keep an added adapter in a GPU slot (never evicted by the engine's LRU). A refusal
+        is the operator's to read (the route's rejection, the log): it keeps vLLM's reason."""
         try:
             await self._require().pin_lora(lora_id)
         except GatewayError:
             raise
         except Exception as exc:
-            raise _translate(exc) from exc
+            error = _translate(exc)
+            if isinstance(error, EngineUnavailable):
+                raise error from exc
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise EngineFailed(f"the engine could not pin it to a GPU slot: {reason}") from exc
 
     async def list_loras(self) -> set[int]:
         return set(await self._require().list_loras())

@@ -260,3 +260,15 @@ async def test_an_unenforced_schema_is_a_400_on_the_field_it_came_from(
     with pytest.raises(InvalidRequest, match="'not'") as info:
         await ChatService(engine, LimitSettings()).chat(request, Catalog(lambda ids: table).acquire(None))
     assert info.value.param == param
+
+
+async def test_a_refused_pin_keeps_the_engines_reason() -> None:
+    """vLLM's utility call fails with a bare Exception: it read as 'the engine failed to
+    process the request' on the route's rejection, which told the operator nothing."""
+
+    async def pin_lora(lora_id: int) -> None:
+        raise Exception(f"Call to pin_lora method failed: Pinning failed. LoRA {lora_id} is not loaded.")
+
+    manager = _manager_on(SimpleNamespace(errored=False, pin_lora=pin_lora))
+    with pytest.raises(EngineFailed, match="could not pin it to a GPU slot: .*LoRA 3 is not loaded"):
+        await manager.pin_lora(3)
