@@ -286,6 +286,7 @@ def markdown(result: dict[str, Any]) -> str:
         at = next(i for i, line in enumerate(lines) if line.startswith("- model:")) + 1
         lines.insert(at, "- gateway settings: " + ", ".join(f"`--set {kv}`" for kv in m["gateway_set"]))
     lines += ttft_split(m, pts)
+    lines += lora_work(m, pts)
     lines += [
         "",
         "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM; "
@@ -385,6 +386,33 @@ def ttft_split(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
         "",
         "| target | mix | conc | TTFT (client) | before the engine | engine: arrival -> first token | of which queue | of which prefill | latency (client) | outside the engine | TPOT (client) | TPOT (engine) | prompt tokens (engine) | prefix-cached % | engine steps | tokens / step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def lora_work(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
+    """`--lora-trace`: what each engine's LoRA worker did in a point (means over passes)."""
+    rows = []
+    for mix in meta["mixes"]:
+        for c in meta["concurrencies"]:
+            for t in ("vllm", "gateway"):
+                p = pts.get((t, mix, c))
+                if p and p.get("lora_steps"):
+                    rows.append(
+                        f"| {t} | {mix} | {c} | {_f(p['lora_steps'], '{:.0f}')} | "
+                        f"{_f(p.get('lora_adapters_per_step'), '{:.2f}')} | {_f(p['lora_activations'], '{:.0f}')} | "
+                        f"{_f(p.get('lora_activation_ms_mean'), '{:.2f}')} | {_f(p['lora_activation_s'], '{:.2f}')} | "
+                        f"{_f(p['lora_loads'], '{:.0f}')} | {_f(p.get('lora_load_ms_mean'), '{:.2f}')} | "
+                        f"{_f(p['lora_load_s'], '{:.2f}')} |"
+                    )
+    if not rows:
+        return []
+    return [
+        "",
+        "LoRA work in the engine (`--lora-trace`; wall time in the engine's loop, an activation's including its wait for queued GPU work):",
+        "",
+        "| target | mix | conc | steps with LoRA | adapters / step | copies into a GPU slot | ms each | s in all | loads from disk | ms each | s in all |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import vllm_client
+from bench import lora_trace, vllm_client
 from bench.client import Job, PromptMaker, drive, run_loop, seed_for, summarize
 from bench.lora import ADAPTERS, MANY, adapter_fields, cold_probe, mix_adapters, mix_models, split_mix
 from bench.machine import EMBEDDED, PROFILES, child_env, client_cpus, gpu_name, host_info, versions
@@ -226,6 +226,8 @@ class Bench:
             if target == "vllm"
             else gateway_env(self.env, self.api_key, 16 * max(self.p["concurrencies"]) + 64)
         )
+        if self.args.lora_trace:
+            env = lora_trace.server_env(env, self.out / "logs" / f"lora-trace-{label}")
         self.result["servers"][label] = {"cmd": cmd}
         log(f"starting {target}: {' '.join(cmd)}")
         return Server(target, cmd, port, ready, env, self.out / "logs" / f"{label}.log")
@@ -334,6 +336,7 @@ class Bench:
         seed = seed_for(self.run_id, "pass", n_pass, mix, c)
         max_tokens = self.max_tokens(mix)
         hist0 = engine_histograms(server.base_url, self.api_key)
+        trace0 = lora_trace.read(server.env)
         assert server.proc is not None
         res: list[Any] = []
         with ProcessSampler(server.proc.pid) as rss, client_cpus(self.args.client_cpus):
@@ -351,6 +354,7 @@ class Bench:
                 )
                 summary = summarize(res, duration, max_tokens)
         engine = engine_means_ms(hist0, engine_histograms(server.base_url, self.api_key))
+        trace = lora_trace.point_fields(trace0, lora_trace.read(server.env, settle=True))
         point = {
             "target": target,
             "pass": n_pass,
@@ -361,6 +365,7 @@ class Bench:
             **summary,
             **rss.stats(),
             **engine,
+            **trace,
             **(adapter_fields(res, mix, summary["ttft_ms_mean"]) if res else {}),
         }
         self.result["points"].append(point)
@@ -607,6 +612,12 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="cold-adapter TTFT probe on each fresh server (default: on when a lora16 mix runs)",
+    )
+    ap.add_argument(
+        "--lora-trace",
+        action="store_true",
+        help="count each engine's LoRA loads from disk, copies into GPU slots and adapters per step "
+        "(bench/trace_site, on both servers' PYTHONPATH)",
     )
     ap.add_argument("--cold-tokens", type=int, default=8, help="max_tokens of the probe's requests")
     ap.add_argument(

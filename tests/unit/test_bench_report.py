@@ -3,7 +3,9 @@ the goal lines that read them."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +121,27 @@ def test_the_gateway_is_measured_against_the_faster_no_http_loop() -> None:
     row = report.compare(result)[0]
     assert (row["ceiling_target"], row["gateway_of_ceiling"]) == ("ceiling", pytest.approx(93 / 90))
     assert [ok for goal, ok, _ in report.goals(result, [row]) if goal.startswith("moonshot")] == [True]
+
+
+def test_lora_trace_sums_the_engine_processes_and_takes_a_points_difference(tmp_path: Path) -> None:
+    from bench import lora_trace
+
+    env = lora_trace.server_env({"PYTHONPATH": "/root/site"}, tmp_path / "trace")
+    assert env["PYTHONPATH"].split(":") == [str(lora_trace.SITE), "/root/site"]
+    assert lora_trace.read({}) is None and lora_trace.point_fields(None, None) == {}
+    before = lora_trace.read(env)
+    counts = {
+        "loads": 2,
+        "load_s": 0.1,
+        "activations": 4,
+        "activation_s": 0.02,
+        "applies": 10,
+        "adapters": 25,
+    }
+    (tmp_path / "trace" / "11.json").write_text(json.dumps(counts))
+    (tmp_path / "trace" / "12.json").write_text(json.dumps({**counts, "loads": 0, "load_s": 0.0}))
+    (tmp_path / "trace" / "13.json.tmp").write_text("{")  # a write under way: not read
+    fields = lora_trace.point_fields(before, lora_trace.read(env))
+    assert fields["lora_loads"] == 2 and fields["lora_load_ms_mean"] == pytest.approx(50.0)
+    assert fields["lora_activations"] == 8 and fields["lora_activation_ms_mean"] == pytest.approx(5.0)
+    assert fields["lora_steps"] == 20 and fields["lora_adapters_per_step"] == pytest.approx(2.5)
