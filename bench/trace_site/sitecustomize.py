@@ -26,10 +26,16 @@ _DIR = os.environ.get("BENCH_LORA_TRACE")
 _MODULE = "vllm.lora.worker_manager"
 
 
-def _install(counts: dict[str, float]) -> None:
+_COUNTS = dict.fromkeys(("loads", "load_s", "activations", "activation_s", "applies", "adapters"), 0.0)
+_installed = False
+
+
+def _install() -> None:
+    global _installed
     import vllm.lora.model_manager as mm
     import vllm.lora.worker_manager as wm
 
+    counts = _COUNTS
     load = wm.WorkerLoRAManager._load_adapter
     activate = mm.LRUCacheLoRAModelManager.activate_adapter
     apply = wm.LRUCacheWorkerLoRAManager._apply_adapters
@@ -58,24 +64,33 @@ def _install(counts: dict[str, float]) -> None:
     wm.WorkerLoRAManager._load_adapter = _load_adapter
     mm.LRUCacheLoRAModelManager.activate_adapter = activate_adapter
     wm.LRUCacheWorkerLoRAManager._apply_adapters = _apply_adapters
+    _installed = True
 
 
 def _run() -> None:
-    while _MODULE not in sys.modules:
-        time.sleep(0.02)
-    while getattr(sys.modules[_MODULE], "LRUCacheWorkerLoRAManager", None) is None:
-        time.sleep(0.02)  # the module is still being imported
-    counts = dict.fromkeys(("loads", "load_s", "activations", "activation_s", "applies", "adapters"), 0.0)
-    _install(counts)
+    """Wrap once vLLM's LoRA worker is imported, then flush the counters as this pid."""
+    if not _installed:
+        while _MODULE not in sys.modules:
+            time.sleep(0.02)
+        while getattr(sys.modules[_MODULE], "LRUCacheWorkerLoRAManager", None) is None:
+            time.sleep(0.02)  # the module is still being imported
+        _install()
     path = os.path.join(_DIR or ".", f"{os.getpid()}.json")
     while True:
         time.sleep(0.5)
-        if counts["applies"] or counts["loads"]:
+        if _COUNTS["applies"] or _COUNTS["loads"]:
             tmp = path + ".tmp"
             with open(tmp, "w") as fh:
-                json.dump(counts, fh)
+                json.dump(_COUNTS, fh)
             os.replace(tmp, path)
 
 
-if _DIR:
+def _start() -> None:
     threading.Thread(target=_run, name="bench-lora-trace", daemon=True).start()
+
+
+if _DIR:
+    # A forked engine process (vLLM forks unless CUDA is already up in the parent) has
+    # no copy of this thread: start one there, on the counters the fork copied.
+    os.register_at_fork(after_in_child=_start)
+    _start()
