@@ -64,6 +64,11 @@ T = TypeVar("T")
 # so that a burst of them never holds the default executor (the response store's reads).
 _CONSTRAINT_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-check")
 
+# ``/v1/responses``' structured output, and where its schema is: the grammar backend's
+# refusals of it name the schema, as the meta-schema check of it does (``responses_api``).
+_TEXT_FORMAT = "text.format"
+_SCHEMA_PARAMS = {_TEXT_FORMAT: "text.format.schema"}
+
 # Abort tasks are fire-and-forget (they must outlive a cancelled request); keep references.
 _background: set[asyncio.Task[None]] = set()
 
@@ -236,7 +241,8 @@ class ChatService:
     async def chat(
         self, request: ChatCompletionRequest, lease: Lease, constraint: Constraint | None = None
     ) -> Generation:
-        """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``)."""
+        """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``'
+        ``text.format``)."""
         route = lease.route
         plan = plan_tools(request)
         messages = _with_system(template_messages(request.messages), route)
@@ -249,10 +255,10 @@ class ChatService:
             size=_size(messages),
         )
         if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
-            _check_forced_calls(plan, request, route, constraint, "text")
+            _check_forced_calls(plan, request, route, constraint, _TEXT_FORMAT)
             shape: tuple[Constraint | None, str] = (plan.constraint, "tools")
         else:
-            shape = _constraint(request, route, constraint, "text")
+            shape = _constraint(request, route, constraint, _TEXT_FORMAT)
             shape = (_or_calls(plan, route, *shape), shape[1])
         limit, logprobs = request.token_limit, request.num_logprobs
         limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -507,7 +513,7 @@ class ChatService:
             return await loop.run_in_executor(_CONSTRAINT_CHECKS, self._engine.prepare, sampling)
         except InvalidRequest as exc:
             if exc.param == "response_format":
-                exc.param = constraint_param
+                exc.param = _SCHEMA_PARAMS.get(constraint_param, constraint_param)
                 exc.message = in_answer_terms(exc.message)
             raise
 

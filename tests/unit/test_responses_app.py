@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, Route, RoutingTable
+from gateway.errors import InvalidRequest
 from gateway.settings import GatewaySettings
 from gateway.types import Constraint, LoraSpec, SamplingSpec, StepOutput
 from tests.unit.fakes import FakeEngine
@@ -452,6 +453,52 @@ def test_invalid_json_schema_is_400(http_nolife: TestClient) -> None:
         headers={"Authorization": f"Bearer {ALICE}"},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+
+
+class GrammarEngine(ReadyEngine):
+    """The grammar backend refuses a schema with ``not``, as ``engine_checks`` does under
+    xgrammar (an InvalidRequest at ``response_format``; the service names the field)."""
+
+    def prepare(self, sampling: SamplingSpec) -> SamplingSpec:
+        constraint = sampling.constraint
+        if constraint is not None and constraint.kind == "json" and "not" in str(constraint.value):
+            raise InvalidRequest("the JSON schema uses 'not' (at not)", param="response_format")
+        return sampling
+
+
+def test_a_schema_the_grammar_backend_refuses_names_text_format_schema() -> None:
+    """As the meta-schema check names it (above), not ``text``; chat's is ``response_format``."""
+    http = make_app(GrammarEngine(max_model_len=1000))
+    schema = {"type": "object", "not": {"required": ["a"]}}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema}
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    r = http.post(
+        "/v1/responses", json={"model": "base-model", "input": "Hi", "text": {"format": fmt}}, headers=headers
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]  # auto: answer or call
+    body = {"model": "base-model", "input": "Hi", "text": {"format": fmt}, "tools": tools}
+    r = http.post("/v1/responses", json=body, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+    chat = {"model": "base-model", "messages": [{"role": "user", "content": "Hi"}]}
+    chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    r = http.post("/v1/chat/completions", json=chat, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_another_format_on_an_enforcing_route_names_text_format(engine: ReadyEngine) -> None:
+    http = make_app(engine)
+    enforced = Route(name="json", kind="preset", response_format=Constraint("json_object"), enforce=True)
+    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={"json": enforced}, errors={})
+    http.app.state.gateway.catalog = Catalog(lambda ids: table)  # type: ignore[attr-defined]
+    fmt = {"type": "json_schema", "name": "thing", "schema": {"type": "object"}}
+    r = http.post(
+        "/v1/responses",
+        json={"model": "json", "input": "Hi", "text": {"format": fmt}},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert "leave 'text.format' out" in r.json()["error"]["message"]
 
 
 def test_needs_a_key(http_nolife: TestClient) -> None:
