@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from jsonschema import Draft202012Validator, SchemaError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -39,7 +38,7 @@ from pydantic import (
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest
-from gateway.structured import schema_size_problem
+from gateway.structured import check_schema
 from gateway.types import Constraint
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -314,16 +313,9 @@ def constraint(fmt: TextFormat) -> Constraint | None:
             raise InvalidRequest("text.format.schema is required for json_schema", param="text.format.schema")
         if not fmt.name:
             raise InvalidRequest("text.format.name is required for json_schema", param="text.format.name")
-        too_big = schema_size_problem(fmt.schema_)
-        if too_big is not None:
-            raise InvalidRequest(f"invalid JSON schema: {too_big}", param="text.format.schema")
-        try:
-            Draft202012Validator.check_schema(fmt.schema_)
-        except SchemaError as exc:
-            raise InvalidRequest(f"invalid JSON schema: {exc.message}", param="text.format.schema") from None
-        except RecursionError:
-            raise InvalidRequest("the JSON schema is nested too deeply", param="text.format.schema") from None
-        return Constraint("json", fmt.schema_)
+        # chat's check (its ``$schema``'s draft, its size bounds, cached), so that a schema is
+        # valid or not alike on both endpoints
+        return Constraint("json", check_schema(fmt.schema_, "text.format.schema"))
     return None
 
 

@@ -455,6 +455,34 @@ def test_invalid_json_schema_is_400(http_nolife: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
 
 
+def test_a_schema_is_checked_against_its_own_draft_as_on_chat(
+    http_nolife: TestClient, engine: ReadyEngine
+) -> None:
+    """A draft-07 schema (its ``$schema`` says so) with a tuple ``items``: valid there, though
+    not under 2020-12; chat takes it, and so does ``text.format`` (it was a 400)."""
+    schema = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "properties": {"p": {"type": "array", "items": [{"type": "string"}]}},
+    }
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    chat = {"model": "base-model", "messages": [{"role": "user", "content": "Hi"}]}
+    chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    assert http_nolife.post("/v1/chat/completions", json=chat, headers=headers).status_code == 200
+    fmt = {"type": "json_schema", "name": "t", "schema": schema}
+    r = http_nolife.post(
+        "/v1/responses", json={"model": "base-model", "input": "Hi", "text": {"format": fmt}}, headers=headers
+    )
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1][1].constraint == Constraint("json", schema)
+    bad = {**schema, "properties": {"p": {"type": "array", "items": 5}}}  # no draft takes it
+    fmt = {"type": "json_schema", "name": "t", "schema": bad}
+    r = http_nolife.post(
+        "/v1/responses", json={"model": "base-model", "input": "Hi", "text": {"format": fmt}}, headers=headers
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+
+
 class GrammarEngine(ReadyEngine):
     """The grammar backend refuses a schema with ``not``, as ``engine_checks`` does under
     xgrammar (an InvalidRequest at ``response_format``; the service names the field)."""
