@@ -447,6 +447,12 @@ def _optional(count: int, required: int = 0) -> dict[str, Any]:
             "regular expressions ('pattern', 'patternProperties') are too long",
         ),
         ({"type": "object", "patternProperties": {"b" * 16385: {}}}, "too long"),
+        # 64,000 eight-letter values: 19 s of the engine's compile thread
+        ({"type": "string", "enum": [f"{i:08d}" for i in range(64_000)]}, "'enum' and 'const' values"),
+        (
+            {"type": "object", "properties": {f"p{i}": {"const": "c" * 7000} for i in range(10)}},
+            "more than 65536 characters together",
+        ),
     ],
 )
 def test_schemas_too_costly_to_check_or_compile_are_400s(schema: dict[str, Any], words: str) -> None:
@@ -464,6 +470,8 @@ def test_large_schemas_within_the_bounds_pass() -> None:
         {"type": "object", "properties": {"a": _optional(90)}},
         {"type": "object", "properties": {"a": _pattern("a" * 8000), "b": _pattern("b" * 8000)}},
         {"type": "object", "properties": {"pattern": {"type": "object"}}},  # a property named so
+        {"type": "string", "enum": [f"{i:08d}" for i in range(6000)]},  # 60,000 characters
+        {"type": "object", "properties": {"const": {"type": "string", "description": "d" * 70_000}}},
     ):
         assert check_schema(schema, "response_format") is schema
 
@@ -481,3 +489,17 @@ def test_regex_constraints_are_bounded_in_length() -> None:
         Constraint("regex", fits),
         "structured_outputs",
     )
+
+
+@pytest.mark.parametrize("kind", ["grammar", "choice"])
+def test_grammar_and_choice_constraints_are_bounded_in_length(kind: str) -> None:
+    # Unbounded, each held the engine's compile thread (every structured request waited):
+    # 150,000 choices (a 2 MB body) 34 s, a 590 KB grammar 49 s.
+    choices = [f"{i:08d}" for i in range(150_000)]
+    long: Any = choices if kind == "choice" else "root ::= " + " | ".join(f'"{c}"' for c in choices)
+    with pytest.raises(InvalidRequest) as info:
+        request_constraint({"structured_outputs": {kind: long}})
+    assert info.value.param == "structured_outputs"
+    assert f"'structured_outputs.{kind}' is too long" in info.value.message
+    fits: Any = choices[:8192] if kind == "choice" else 'root ::= "' + "a" * (16384 - 12) + '"'
+    assert request_constraint({"structured_outputs": {kind: fits}})[0] is not None
