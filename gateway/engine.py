@@ -141,7 +141,7 @@ class EngineManager:
         args.update(s.engine_args)
         args["structured_outputs_config"] = one_grammar_backend(args.get("structured_outputs_config"))
         args.setdefault("disable_log_stats", False)
-        log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if v is not None})
+        log.info("starting vLLM engine: %s", _loggable(args))
         # The server usage context gives the same defaults as `vllm serve` (e.g. a larger
         # max_num_batched_tokens on GPUs), so side-by-side numbers compare like with like.
         return AsyncLLM.from_engine_args(
@@ -285,6 +285,15 @@ class EngineManager:
 
     async def list_loras(self) -> set[int]:
         return set(await self._require().list_loras())
+
+
+# Engine arguments that hold secrets (``engine.engine_args: {hf_token: ...}``): logged as
+# ``***``, as vLLM's server logs its arguments (``redact_sensitive_args``).
+_SENSITIVE_ARGS = frozenset({"api_key", "hf_token", "watermark_config"})
+
+
+def _loggable(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: "***" if k in _SENSITIVE_ARGS else v for k, v in args.items() if v is not None}
 
 
 # -- conversions to and from vLLM types ------------------------------------------------

@@ -272,3 +272,24 @@ async def test_a_refused_pin_keeps_the_engines_reason() -> None:
     manager = _manager_on(SimpleNamespace(errored=False, pin_lora=pin_lora))
     with pytest.raises(EngineFailed, match="could not pin it to a GPU slot: .*LoRA 3 is not loaded"):
         await manager.pin_lora(3)
+def test_secret_engine_args_are_not_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``engine.engine_args: {hf_token: ...}`` reaches vLLM, and the log line of the engine's
+    arguments says ``***`` for it, as vLLM's server logs its own (``redact_sensitive_args``)."""
+    import vllm.engine.arg_utils
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    given: dict[str, Any] = {}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # set by the start: restored after the test
+    monkeypatch.setattr(vllm.engine.arg_utils, "AsyncEngineArgs", lambda **args: given.update(args))
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *args, **kwargs: "engine")
+    settings = EngineSettings(
+        model="/models/m", engine_args={"hf_token": "hf_secret_0123", "enforce_eager": True}
+    )
+    with caplog.at_level("INFO", logger="gateway.engine"):
+        assert EngineManager(settings, Path("."))._create_engine() == "engine"
+    assert given["hf_token"] == "hf_secret_0123"
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "starting vLLM engine" in logged and "'enforce_eager': True" in logged
+    assert "hf_secret_0123" not in logged and "'hf_token': '***'" in logged
