@@ -272,6 +272,8 @@ async def test_a_refused_pin_keeps_the_engines_reason() -> None:
     manager = _manager_on(SimpleNamespace(errored=False, pin_lora=pin_lora))
     with pytest.raises(EngineFailed, match="could not pin it to a GPU slot: .*LoRA 3 is not loaded"):
         await manager.pin_lora(3)
+
+
 def test_secret_engine_args_are_not_logged(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
