@@ -176,6 +176,8 @@ def _serve(settings: GatewaySettings) -> int:
     server = DrainingServer(config, gateway)
     gateway.request_exit = server.exit_now
     server.run(sockets=[sock])
+    if gateway.startup_error:  # the last line, after uvicorn's shutdown lines
+        print(f"error: {gateway.startup_error}", file=sys.stderr)
     return int(gateway.exit_code)
 
 

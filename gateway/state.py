@@ -63,11 +63,15 @@ class Gateway:
 
     # -- life cycle -------------------------------------------------------------------
     async def run(self) -> None:
-        """Start, then watch the catalog and the engine until cancelled. A failed start is
-        reported by ``/health`` and ``/ready`` (the process keeps answering them)."""
+        """Start, then watch the catalog and the engine until cancelled. A failed start
+        ends the process (status 2 for a setting, as the CLI's own errors; 1 for an engine
+        that could not start), as engine death does: a process left answering 503 would
+        never be restarted by compose or a supervisor that only watches the exit."""
         try:
             await self.start()
-        except (ConfigError, GatewayError):
+        except (ConfigError, GatewayError) as exc:
+            self.exit_code = 2 if isinstance(exc, ConfigError) else 1
+            self.request_exit()
             return
         assert self.catalog is not None
         watcher = CatalogWatcher(
@@ -96,8 +100,12 @@ class Gateway:
             log.error("startup failed: %s", exc)
             raise
         except Exception as exc:  # vLLM refusing its arguments, a worker dying while it builds
-            self.startup_error = f"the engine could not start: {type(exc).__name__}: {exc}"
-            log.exception("startup failed")
+            # Mostly a setting vLLM refuses (its message names it): one line, not a traceback
+            # (which --log-level debug still shows).
+            detail = " ".join(str(exc).split())
+            self.startup_error = f"the engine could not start: {type(exc).__name__}: {detail}"
+            log.error("startup failed: %s", self.startup_error)
+            log.debug("startup failed", exc_info=True)
             raise GatewayError(self.startup_error) from exc
 
     def build_table(self, ids: LoraIds) -> RoutingTable:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
+from tests.helpers import free_port
 from tests.integration.conftest import ROOT, gateway_env
 
 
@@ -28,3 +30,23 @@ def test_a_port_in_use_exits_at_once_without_starting_the_engine() -> None:
     assert lines == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"], result.stderr
     everything = result.stdout + result.stderr
     assert "starting vLLM engine" not in everything and "prepare-model" not in everything
+
+
+def test_a_failed_start_exits_with_one_error_line_and_no_engine(tmp_path: Path) -> None:
+    """A start that fails (here the response store, checked before the engine) ends the
+    process with the CLI's config status: a process left answering 503 is never restarted."""
+    store = tmp_path / "responses.sqlite3"
+    store.write_bytes(b"not a database " * 100)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port())]
+        + ["--set", f"responses.store_path={store}"],
+        cwd=ROOT,
+        env=gateway_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,  # a bound for a hung process: before this change it never exited
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"error: responses.store_path: cannot open '{store}': file is not a database", last
+    assert "Traceback" not in result.stderr and "starting vLLM engine" not in result.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -104,6 +105,7 @@ async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_
     ready = await served.http.get("/ready")
     assert (ready.status_code, ready.json()) == (503, {"status": "error"})
     assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("base")), 503)
+    assert served.gw.exit_code == 2  # a setting: the process ends with the CLI's config status
 
 
 async def test_a_store_file_that_is_not_a_database_fails_the_start_at_once(
@@ -144,6 +146,24 @@ async def test_an_engine_that_fails_to_build_is_an_error_not_starting_forever(se
     assert (ready.status_code, ready.json()) == (503, {"status": "error"})
     health = (await served.http.get("/health")).json()
     assert "ValueError: disable_any_whitespace needs a backend" in health["detail"]
+    assert served.gw.exit_code == 1
+
+
+async def test_a_failed_start_asks_the_server_to_exit_with_one_log_line(
+    make_settings: Callable[..., GatewaySettings], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = FakeEngine()
+    engine.start = AsyncMock(side_effect=ValueError("dtype\n  Input should be 'auto'"))  # type: ignore[method-assign]
+    app = create_app(make_settings(), engine)
+    exited = asyncio.Event()
+    app.state.gateway.request_exit = exited.set
+    async with app.router.lifespan_context(app):
+        await asyncio.wait_for(exited.wait(), 5)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [
+        "startup failed: the engine could not start: ValueError: dtype Input should be 'auto'"
+    ]
+    assert errors[0].exc_info is None  # no traceback for what is mostly a refused setting
 
 
 async def test_engine_death_health_503_requests_503_and_open_streams_get_an_error_event(serve: Serve) -> None:
