@@ -218,6 +218,12 @@ def _read_spec(catalog_path: Path) -> CatalogFile:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
 
 
+def check_file(catalog_path: Path) -> None:
+    """The file's own errors (missing, unreadable, empty, not YAML, not the schema) as
+    ``ConfigError`` now: the start checks it before the engine's minutes of building."""
+    _read_spec(catalog_path)
+
+
 def adapter_dirs(catalog_path: Path, adapters_root: Path) -> list[Path]:
     """The adapter folders the catalog file names, as far as they can be read now (for
     sizing the engine before the catalog is loaded; ``load_table`` reports what is wrong)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from gateway.adapter_slots import AdapterSlots, cpu_cache_size, host_memory_bytes
 from gateway.adapters_check import ModelShapes, model_shapes
-from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, load_table
+from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, check_file, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
 from gateway.lora_scheduler import LoraScheduler
@@ -87,6 +87,7 @@ class Gateway:
     async def start(self) -> None:
         try:
             await self.responses.open()  # before the engine's minutes: a bad path fails at once
+            check_file(self.settings.catalog)  # so does a catalog that cannot be read at all
             await self.engine.start()
             self._model_shapes = model_shapes(self.engine.model_path or "")
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")

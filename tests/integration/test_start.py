@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import free_port
 from tests.integration.conftest import ROOT, gateway_env
 
@@ -50,3 +52,31 @@ def test_a_failed_start_exits_with_one_error_line_and_no_engine(tmp_path: Path) 
     last = result.stderr.strip().splitlines()[-1]
     assert last == f"error: responses.store_path: cannot open '{store}': file is not a database", last
     assert "Traceback" not in result.stderr and "starting vLLM engine" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (None, "No such file or directory"),
+        ("", "the file is empty"),
+    ],
+    ids=["missing", "empty"],
+)
+def test_a_catalog_that_cannot_be_read_fails_the_start_before_the_engine(
+    tmp_path: Path, text: str | None, reason: str
+) -> None:
+    catalog = tmp_path / "adapters.yaml"
+    if text is not None:
+        catalog.write_text(text)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--port", str(free_port()), "--catalog", str(catalog)],
+        cwd=ROOT,
+        env=gateway_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,  # a bound: the engine's start (75 s and more) must not happen
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {catalog}: ") and reason in last, last
+    assert "starting vLLM engine" not in result.stderr

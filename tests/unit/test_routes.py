@@ -97,7 +97,8 @@ async def test_ready_and_requests_wait_for_the_adapters_to_load(serve: Serve) ->
 
 async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_path: Path) -> None:
     (tmp_path / "adapters.yaml").write_text("routes: [this is not yaml\n")
-    served = await serve(wait_ready=False)
+    engine = FakeEngine()
+    served = await serve(engine, wait_ready=False)
     await eventually_async(lambda: served.gw.startup_error is not None, 5, "the start failed")
     health = await served.http.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "error"
@@ -106,6 +107,7 @@ async def test_a_failed_start_is_reported_by_health_and_ready(serve: Serve, tmp_
     assert (ready.status_code, ready.json()) == (503, {"status": "error"})
     assert_openai_error(await served.http.post("/v1/chat/completions", json=chat_body("base")), 503)
     assert served.gw.exit_code == 2  # a setting: the process ends with the CLI's config status
+    assert not engine.started  # refused before the engine's minutes of start
 
 
 async def test_a_store_file_that_is_not_a_database_fails_the_start_at_once(
