@@ -335,6 +335,12 @@ def _one_line(exc: BaseException) -> str:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         return f"{loc}: {err['msg']}" if loc else err["msg"]
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        # Its first line is only the context ("while parsing a flow sequence"): say where
+        # and what went wrong.
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        return f"{where}{exc.problem}" + (f" ({exc.context})" if exc.context else "")
     return one_line(exc)
 
 

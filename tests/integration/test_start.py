@@ -59,8 +59,9 @@ def test_a_failed_start_exits_with_one_error_line_and_no_engine(tmp_path: Path) 
     [
         (None, "No such file or directory"),
         ("", "the file is empty"),
+        ("routes: [broken\n", "line 2, column 1: expected ',' or ']'"),
     ],
-    ids=["missing", "empty"],
+    ids=["missing", "empty", "not-yaml"],
 )
 def test_a_catalog_that_cannot_be_read_fails_the_start_before_the_engine(
     tmp_path: Path, text: str | None, reason: str

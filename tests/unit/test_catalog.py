@@ -310,10 +310,14 @@ def test_rank_check_uses_engine_limit(tmp_path: Path, root: Path) -> None:
     assert "rank 8 is above engine.max_lora_rank=4" in table.errors["shout"]
 
 
-def test_broken_catalog_file_raises_one_line(tmp_path: Path, root: Path) -> None:
+def test_broken_catalog_file_raises_one_line_naming_where_and_what(tmp_path: Path, root: Path) -> None:
     with pytest.raises(ConfigError) as info:
         table_for(tmp_path, root, "routes: [unclosed\n")
     assert "\n" not in str(info.value)
+    assert str(info.value).endswith(
+        "adapters.yaml: line 2, column 1: expected ',' or ']', but got '<stream end>'"
+        " (while parsing a flow sequence)"
+    )
 
 
 @pytest.mark.parametrize("text", ["", "   \n\n"])
