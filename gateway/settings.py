@@ -265,15 +265,29 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
         if value is not None:
             _deep_set(init, key, value)
     config = init.get("config") or os.environ.get("GATEWAY_CONFIG")
-    if config and not Path(config).is_file():
-        raise ConfigError(f"config: file not found: {config}")
+    path = Path(config) if config else DEFAULT_CONFIG
+    if config and not path.is_file():
+        raise ConfigError(f"config: {'not a file' if path.exists() else 'file not found'}: {config}")
     try:
+        if path.is_file():
+            _check_top_level(path)
         return GatewaySettings(**init)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
     except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable or malformed YAML
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config: {detail}") from None
+
+
+def _check_top_level(path: Path) -> None:
+    """The file must hold a mapping of sections: pydantic-settings fails on a list or a
+    scalar there with a bare TypeError (a traceback) or a message about dict updates."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(
+            f"config: {path}: the file must be a mapping of sections (server:, engine:, ...), "
+            f"not a {'list' if isinstance(data, list) else 'single value'}"
+        )
 
 
 def describe_validation_error(exc: ValidationError) -> str:

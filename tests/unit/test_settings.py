@@ -159,6 +159,24 @@ def test_missing_config_file_is_reported(env: pytest.MonkeyPatch) -> None:
         load_settings({"config": "/nonexistent/gateway.yaml"})
 
 
+@pytest.mark.parametrize(("text", "what"), [("- 1\n- 2\n", "list"), ("just words\n", "single value")])
+def test_a_config_file_that_is_not_a_mapping_is_one_line(
+    env: pytest.MonkeyPatch, tmp_path: Path, text: str, what: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError) as info:  # was a TypeError (a traceback) or a dict-update message
+        load_settings({"config": str(bad)})
+    assert str(info.value) == (
+        f"config: {bad}: the file must be a mapping of sections (server:, engine:, ...), not a {what}"
+    )
+
+
+def test_a_config_path_that_is_a_directory_says_so(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"^config: not a file: {tmp_path}$"):
+        load_settings({"config": str(tmp_path)})
+
+
 def test_malformed_yaml_is_one_line(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine: [unclosed\n")
