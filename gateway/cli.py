@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from gateway.errors import ConfigError
-from gateway.settings import GatewaySettings, load_settings
+from gateway.settings import GatewaySettings, load_settings, unknown_env
 
 # The chat CLI's key when --api-key is not given (the OpenAI SDK reads OPENAI_API_KEY the same
 # way; not that one, which may hold a key for OpenAI itself, not to be sent to a gateway).
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             return _chat(args)
         settings = load_settings(_overrides(args))
+        for line in unknown_env(os.environ):
+            print(f"warning: {line}", file=sys.stderr)
         _configure_logging(settings.server.log_level)
         if args.command == "serve":
             return _serve(settings)

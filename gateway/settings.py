@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -244,6 +245,37 @@ class GatewaySettings(BaseSettings):
         path = Path(init_kwargs.get("config") or os.environ.get("GATEWAY_CONFIG") or DEFAULT_CONFIG)
         yaml_source = YamlConfigSettingsSource(settings_cls, yaml_file=path if path.exists() else None)
         return (init_settings, env_settings, yaml_source)
+
+
+# GATEWAY_* names that are not settings: the chat CLI's key, compose's model folder on the
+# host, the bench's commit; and what Kubernetes sets for a Service named "gateway"
+# (GATEWAY_SERVICE_HOST, GATEWAY_PORT_8000_TCP, ...).
+NOT_SETTINGS = frozenset({"GATEWAY_API_KEY", "GATEWAY_MODELS_DIR", "GATEWAY_GIT_SHA", "GATEWAY_PORT"})
+_NOT_SETTINGS_PREFIXES = ("GATEWAY_SERVICE_", "GATEWAY_PORT_")
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """One line for each ``GATEWAY_*`` variable that names no setting. pydantic-settings
+    looks up the names it knows and never sees the others, so ``GATEWAY_SERVER_PORT`` (one
+    underscore) would change nothing, silently. (A name under a known section,
+    ``GATEWAY_ENGINE__NOPE``, is an error of the settings already.)"""
+    sections = {name.upper() for name in GatewaySettings.model_fields}
+    found = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if (
+            not upper.startswith("GATEWAY_")
+            or upper in NOT_SETTINGS
+            or upper.startswith(_NOT_SETTINGS_PREFIXES)
+        ):
+            continue
+        top = upper.removeprefix("GATEWAY_").split("__", 1)[0]
+        if top in sections:
+            continue
+        meant = next((f"GATEWAY_{s}__{top[len(s) + 1 :]}" for s in sections if top.startswith(s + "_")), None)
+        hint = f"; nested settings take two underscores: {meant}" if meant else ""
+        found.append(f"{name} is not a setting and is ignored{hint}")
+    return found
 
 
 def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.cli import _base_url, _overrides, build_parser, main
 from gateway.errors import ConfigError
-from gateway.settings import PROJECT_ROOT, load_settings
+from gateway.settings import PROJECT_ROOT, load_settings, unknown_env
 
 
 @pytest.fixture
@@ -152,6 +152,36 @@ def test_invalid_env_value_names_the_field(env: pytest.MonkeyPatch, yaml_file: P
     env.setenv("GATEWAY_SERVER__PORT", "not-a-port")
     with pytest.raises(ConfigError, match=r"^server\.port:"):
         load_settings({"config": str(yaml_file)})
+
+
+def test_gateway_variables_that_name_no_setting_are_reported() -> None:
+    environ = {
+        "GATEWAY_SERVER_PORT": "9000",  # one underscore: pydantic-settings never looks it up
+        "GATEWAY_BOGUS": "1",
+        "GATEWAY_SERVER__PORT": "9000",
+        "gateway_engine__max_num_seqs": "4",  # env names are case-insensitive
+        "GATEWAY_CONFIG": "x.yaml",
+        "GATEWAY_API_KEY": "sk-x",  # the chat CLI's
+        "GATEWAY_SERVICE_HOST": "10.0.0.1",  # Kubernetes, for a Service named gateway
+        "GATEWAY_PORT_8000_TCP": "tcp://10.0.0.1:8000",
+        "HOME": "/root",
+    }
+    assert unknown_env(environ) == [
+        "GATEWAY_BOGUS is not a setting and is ignored",
+        "GATEWAY_SERVER_PORT is not a setting and is ignored; nested settings take two underscores: "
+        "GATEWAY_SERVER__PORT",
+    ]
+
+
+def test_cli_warns_of_a_gateway_variable_that_names_no_setting(
+    empty_config: str, env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.setenv("GATEWAY_LIMITS_MAX_INFLIGHT", "8")
+    assert main(["adapters", "list", "--config", empty_config]) == 0
+    assert capsys.readouterr().err.startswith(
+        "warning: GATEWAY_LIMITS_MAX_INFLIGHT is not a setting and is ignored; "
+        "nested settings take two underscores: GATEWAY_LIMITS__MAX_INFLIGHT\n"
+    )
 
 
 def test_missing_config_file_is_reported(env: pytest.MonkeyPatch) -> None:
