@@ -34,7 +34,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--log-level", "server.log_level", str, "debug, info, warning or error"),
     ("--model", "engine.model", str, "model directory (default: embedded Gemma 3 270M)"),
     ("--served-model-name", "engine.served_model_name", str, "name of the base model route"),
-    ("--dtype", "engine.dtype", str, "auto, float32, bfloat16, float16"),
+    ("--dtype", "engine.dtype", str, "auto, float32, bfloat16, float16 (half), float"),
     ("--max-model-len", "engine.max_model_len", int, "context length"),
     ("--max-num-seqs", "engine.max_num_seqs", int, "concurrent sequences in the engine"),
     ("--gpu-memory-utilization", "engine.gpu_memory_utilization", float, "fraction of GPU memory"),

@@ -39,7 +39,8 @@ class EngineSettings(_Section):
     model: str | None = Field(None, description="model directory; empty = embedded Gemma 3 270M")
     served_model_name: str | None = None
     tokenizer: str | None = None
-    dtype: str = "auto"
+    # vLLM's own choices (ModelConfig.dtype): checked here, not after the engine's imports.
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     max_model_len: int | None = Field(2048, gt=0)
     max_num_seqs: int = Field(16, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)

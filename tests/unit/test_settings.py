@@ -99,6 +99,7 @@ def test_relative_paths_are_anchored_at_the_project(env: pytest.MonkeyPatch, yam
         ({"engine.gpu_memory_utilization": 1.5}, "engine.gpu_memory_utilization"),
         ({"server.workers": 2}, "server.workers"),
         ({"engine.no_such_field": 1}, "engine.no_such_field"),
+        ({"engine.dtype": "float99"}, "engine.dtype"),  # was vLLM's error, after the engine's imports
     ],
 )
 def test_invalid_setting_is_one_line_naming_the_field(
