@@ -14,6 +14,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gateway.adapter_slots import AdapterSlots, cpu_cache_size, host_memory_bytes
 from gateway.adapters_check import ModelShapes, model_shapes
@@ -88,6 +89,7 @@ class Gateway:
         try:
             await self.responses.open()  # before the engine's minutes: a bad path fails at once
             check_file(self.settings.catalog)  # so does a catalog that cannot be read at all
+            check_model_path(self.settings.engine.model)  # and a model folder that is not there
             await self.engine.start()
             self._model_shapes = model_shapes(self.engine.model_path or "")
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
@@ -230,6 +232,16 @@ def with_cpu_cache(settings: GatewaySettings) -> GatewaySettings:
     room = "room for each" if size >= len(dirs) + engine.max_loras else "capped by host memory"
     log.info("engine.max_cpu_loras=%d: the catalog names %d adapters (%s)", size, len(dirs), room)
     return settings.model_copy(update={"engine": engine.model_copy(update={"max_cpu_loras": size})})
+
+
+def check_model_path(model: str | None) -> None:
+    """``engine.model`` written as a path (``/``, ``./``, ``../``, ``~``) must exist: vLLM
+    takes a missing one for a Hugging Face repo id and says "Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'". A repo id (``google/gemma-3-27b-it``) is vLLM's."""
+    if model is None or not model.startswith(("/", "./", "../", "~")):
+        return
+    if not Path(model).expanduser().exists():
+        raise ConfigError(f"engine.model: no such file or directory: {model}")
 
 
 def route_names(table: RoutingTable) -> frozenset[str]:

@@ -124,6 +124,17 @@ async def test_a_store_file_that_is_not_a_database_fails_the_start_at_once(
     assert not engine.started  # refused before the engine's minutes of start
 
 
+async def test_a_model_folder_that_is_not_there_fails_the_start_before_the_engine(
+    serve: Serve, tmp_path: Path
+) -> None:
+    engine = FakeEngine()
+    served = await serve(engine, wait_ready=False, engine__model=str(tmp_path / "no-model"))
+    await eventually_async(lambda: served.gw.startup_error is not None, 5, "the start failed")
+    assert served.gw.startup_error == f"engine.model: no such file or directory: {tmp_path / 'no-model'}"
+    assert served.gw.exit_code == 2
+    assert not engine.started  # vLLM would take it for a Hugging Face repo id
+
+
 async def test_a_response_is_stored_when_it_ends_not_while_it_streams(serve: Serve) -> None:
     gate = asyncio.Event()
     served = await serve(FakeEngine(gate=gate))
