@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
+from gateway import yaml_file
 from gateway.adapters_check import (
     AdapterInfo,
     ModelShapes,
@@ -213,7 +214,7 @@ def _read_spec(catalog_path: Path) -> CatalogFile:
             raise ConfigError(
                 f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)"
             )
-        return CatalogFile.model_validate(yaml.safe_load(text) or {})
+        return CatalogFile.model_validate(yaml_file.load(text) or {})
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
 
@@ -335,12 +336,8 @@ def _one_line(exc: BaseException) -> str:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         return f"{loc}: {err['msg']}" if loc else err["msg"]
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
-        # Its first line is only the context ("while parsing a flow sequence"): say where
-        # and what went wrong.
-        mark = exc.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        return f"{where}{exc.problem}" + (f" ({exc.context})" if exc.context else "")
+    if isinstance(exc, yaml.YAMLError) and (described := yaml_file.describe(exc)):
+        return described
     return one_line(exc)
 
 

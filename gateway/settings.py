@@ -23,6 +23,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from gateway import yaml_file
 from gateway.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -307,15 +308,20 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
         return GatewaySettings(**init)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable or malformed YAML
+    except yaml.YAMLError as exc:  # malformed, or a key given twice
+        described = yaml_file.describe(exc)
+        detail = f"{path}: {described}" if described else " ".join(str(exc).split())
+        raise ConfigError(f"config: {detail}") from None
+    except (OSError, ValueError) as exc:  # unreadable
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config: {detail}") from None
 
 
 def _check_top_level(path: Path) -> None:
     """The file must hold a mapping of sections: pydantic-settings fails on a list or a
-    scalar there with a bare TypeError (a traceback) or a message about dict updates."""
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    scalar there with a bare TypeError (a traceback) or a message about dict updates. A
+    key given twice is refused here too: the YAML source would keep the last silently."""
+    data = yaml_file.load(path.read_text(encoding="utf-8"))
     if data is not None and not isinstance(data, dict):
         raise ConfigError(
             f"config: {path}: the file must be a mapping of sections (server:, engine:, ...), "

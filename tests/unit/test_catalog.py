@@ -310,6 +310,23 @@ def test_rank_check_uses_engine_limit(tmp_path: Path, root: Path) -> None:
     assert "rank 8 is above engine.max_lora_rank=4" in table.errors["shout"]
 
 
+def test_a_key_given_twice_in_an_entry_rejects_the_file(tmp_path: Path, root: Path) -> None:
+    """Two ``adapter:`` lines in one entry served whichever came last, without a word."""
+    text = "routes:\n  - name: shout\n    adapter: shout\n    adapter: json\n"
+    with pytest.raises(ConfigError) as info:
+        table_for(tmp_path, root, text)
+    assert str(info.value).endswith("line 4, column 5: key 'adapter' is given twice (while reading a mapping)")
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path, root: Path) -> None:
+    text = (
+        "routes:\n  - &common {name: shout, adapter: shout, aliases: [loud]}\n"
+        "  - {<<: *common, name: shout2, aliases: [caps]}\n"
+    )
+    table = table_for(tmp_path, root, text)
+    assert not table.errors and table.resolve("caps").name == "shout2"
+
+
 def test_broken_catalog_file_raises_one_line_naming_where_and_what(tmp_path: Path, root: Path) -> None:
     with pytest.raises(ConfigError) as info:
         table_for(tmp_path, root, "routes: [unclosed\n")

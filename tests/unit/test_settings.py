@@ -190,6 +190,20 @@ def test_missing_config_file_is_reported(env: pytest.MonkeyPatch) -> None:
         load_settings({"config": "/nonexistent/gateway.yaml"})
 
 
+def test_a_section_given_twice_is_refused_with_its_line(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """PyYAML keeps the last of two ``engine:`` sections: the first was dropped without a word."""
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("engine:\n  max_num_seqs: 8\nserver:\n  port: 8123\nengine:\n  max_model_len: 512\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings({"config": str(dup)})
+    assert str(info.value) == (
+        f"config: {dup}: line 5, column 1: key 'engine' is given twice (while reading a mapping)"
+    )
+    dup.write_text("engine:\n  max_num_seqs: 8\n  max_num_seqs: 16\n")  # in a section too
+    with pytest.raises(ConfigError, match="line 3, column 3: key 'max_num_seqs' is given twice"):
+        load_settings({"config": str(dup)})
+
+
 @pytest.mark.parametrize(("text", "what"), [("- 1\n- 2\n", "list"), ("just words\n", "single value")])
 def test_a_config_file_that_is_not_a_mapping_is_one_line(
     env: pytest.MonkeyPatch, tmp_path: Path, text: str, what: str
