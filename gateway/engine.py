@@ -109,7 +109,7 @@ class EngineManager:
         s = self.settings
         on_cpu = current_platform.is_cpu()
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gib))
+            _cpu_kv_cache_space(s)
         dtype = "float32" if (on_cpu and s.dtype == "auto") else s.dtype
         args: dict[str, Any] = {
             "model": self.model_path,
@@ -294,6 +294,19 @@ _SENSITIVE_ARGS = frozenset({"api_key", "hf_token", "watermark_config"})
 
 def _loggable(args: dict[str, Any]) -> dict[str, Any]:
     return {k: "***" if k in _SENSITIVE_ARGS else v for k, v in args.items() if v is not None}
+
+
+def _cpu_kv_cache_space(s: EngineSettings) -> None:
+    """vLLM on CPU reads its KV cache size from ``VLLM_CPU_KVCACHE_SPACE``. A value already
+    in the environment stands unless the settings name ``engine.cpu_kvcache_space_gib``
+    themselves: then theirs wins, as settings do over the environment, and the log says so."""
+    var, value = "VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gib)
+    current = os.environ.get(var)
+    if current is None:
+        os.environ[var] = value
+    elif current != value and "cpu_kvcache_space_gib" in s.model_fields_set:
+        log.warning("engine.cpu_kvcache_space_gib=%s replaces %s=%s of the environment", value, var, current)
+        os.environ[var] = value
 
 
 # -- conversions to and from vLLM types ------------------------------------------------

@@ -4,6 +4,7 @@ vLLM's types only)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -295,3 +296,22 @@ def test_secret_engine_args_are_not_logged(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "starting vLLM engine" in logged and "'enforce_eager': True" in logged
     assert "hf_secret_0123" not in logged and "'hf_token': '***'" in logged
+
+
+def test_cpu_kv_cache_setting_wins_over_the_environment_only_when_given(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``engine.cpu_kvcache_space_gib: 4`` was ignored without a word when the environment
+    already had VLLM_CPU_KVCACHE_SPACE."""
+    from gateway.engine import _cpu_kv_cache_space
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    _cpu_kv_cache_space(EngineSettings())  # the default: the environment's value stands
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8" and not caplog.records
+    with caplog.at_level("WARNING", logger="gateway.engine"):
+        _cpu_kv_cache_space(EngineSettings(cpu_kvcache_space_gib=4))
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert "engine.cpu_kvcache_space_gib=4 replaces VLLM_CPU_KVCACHE_SPACE=8 of the environment" in caplog.text
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    _cpu_kv_cache_space(EngineSettings())
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
