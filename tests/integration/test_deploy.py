@@ -146,6 +146,17 @@ def test_compose_mounts_configs_adapters_and_model_where_settings_look(compose: 
     assert any(model.is_relative_to(target) for target in others), f"{model} is on no mounted volume"
 
 
+def test_compose_keeps_the_gpu_gateways_cache_dir_on_a_volume(compose: dict[str, Any]) -> None:
+    """The response store (30 days by default) and the adapter copies live under
+    GATEWAY_CACHE_DIR: in the container's own layer they were lost at every `up --build`."""
+    cache_dir = re.search(r"GATEWAY_CACHE_DIR=(\S+)", (PROJECT_ROOT / "Dockerfile").read_text())
+    assert cache_dir is not None
+    source, read_only = _mounts(compose["services"]["gateway"])[cache_dir.group(1)]
+    assert source in compose.get("volumes", {}) and not read_only
+    store = load_settings({"config": str(GPU_PROFILE)}).responses.resolved_path(Path(cache_dir.group(1)))
+    assert str(store).startswith(cache_dir.group(1) + "/") or str(store) == ":memory:"
+
+
 def test_compose_healthchecks_hit_ready(compose: dict[str, Any], compose_cpu: dict[str, Any]) -> None:
     for service in (compose["services"]["gateway"], compose_cpu["services"]["gateway-cpu"]):
         assert "/ready" in _healthcheck_text(service)
