@@ -315,7 +315,9 @@ def test_a_key_given_twice_in_an_entry_rejects_the_file(tmp_path: Path, root: Pa
     text = "routes:\n  - name: shout\n    adapter: shout\n    adapter: json\n"
     with pytest.raises(ConfigError) as info:
         table_for(tmp_path, root, text)
-    assert str(info.value).endswith("line 4, column 5: key 'adapter' is given twice (while reading a mapping)")
+    assert str(info.value).endswith(
+        "line 4, column 5: key 'adapter' is given twice (while reading a mapping)"
+    )
 
 
 def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path, root: Path) -> None:

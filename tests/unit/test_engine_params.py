@@ -311,7 +311,9 @@ def test_cpu_kv_cache_setting_wins_over_the_environment_only_when_given(
     with caplog.at_level("WARNING", logger="gateway.engine"):
         _cpu_kv_cache_space(EngineSettings(cpu_kvcache_space_gib=4))
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4"
-    assert "engine.cpu_kvcache_space_gib=4 replaces VLLM_CPU_KVCACHE_SPACE=8 of the environment" in caplog.text
+    assert (
+        "engine.cpu_kvcache_space_gib=4 replaces VLLM_CPU_KVCACHE_SPACE=8 of the environment" in caplog.text
+    )
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     _cpu_kv_cache_space(EngineSettings())
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
