@@ -127,6 +127,7 @@ class Generation:
         self.tools: ToolPlan = NO_TOOLS  # chat only: how answers become tool calls
         self.caller: Caller | None = None  # the API key: its share and priority
         self._scheduler = scheduler
+        self._iterated = False  # ``steps`` has begun: ``close`` leaves the release to it
         # completions only: the prompts after the first, and what to echo per prompt
         self._more_prompts = list(more_prompts)
         self._echo = echo
@@ -139,6 +140,7 @@ class Generation:
         return self.route.lora
 
     async def steps(self) -> AsyncGenerator[StepOutput, None]:
+        self._iterated = True  # from here on, this generator's end lets go of the lease
         finished = started = False
         last = 0.0  # when the engine stream last stepped (one prompt: the hot path)
         # With several prompts their streams' steps interleave, and a gap between two streams'
@@ -213,8 +215,11 @@ class Generation:
         return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n)
 
     def close(self) -> None:
-        """Release a generation that was never iterated."""
-        self._lease.release()
+        """Release a generation that was never iterated. Once ``steps`` has run, its own end
+        releases, after the engine heard of an abort (``_abort``): releasing here too would
+        let go of the route version while the engine may still run the request."""
+        if not self._iterated:
+            self._lease.release()
 
     async def collect(self) -> Collected:
         choices = {i: Choice(index=i) for i in range(self.num_choices)}

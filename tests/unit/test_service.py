@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -319,6 +320,36 @@ async def test_a_request_that_leaves_gives_up_its_adapters_turn_after_the_abort(
     engine.abort_gate.set()
     await asyncio.wait_for(task_b, 5)
     assert engine.aborted == [gen_a.id] and [lora.name for *_, lora in engine.calls if lora] == ["a", "b"]
+    assert 1 not in catalog._in_use
+
+
+async def test_closing_a_collect_its_client_left_keeps_the_version_until_the_abort() -> None:
+    """``collect_unless_gone`` cancels the collect and then calls ``close`` at once: that
+    released the route version before the abort reached the engine, which may still run the
+    request, on a version whose adapter a reload is about to remove."""
+    engine = SlowAbortEngine()
+    service, catalog, _ = two_adapters_one_slot(engine)
+    gen = await service.chat(chat(model="a"), catalog.acquire("a"))
+    work = asyncio.create_task(gen.collect())
+    await asyncio.sleep(0.05)  # it streams from the engine
+    work.cancel()
+    gen.close()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    assert catalog._in_use.get(1) == 1  # held until the engine hears of the abort
+    engine.abort_gate.set()
+    await asyncio.sleep(0.05)
+    assert engine.aborted == [gen.id] and 1 not in catalog._in_use
+
+
+async def test_close_releases_a_generation_never_iterated() -> None:
+    service, catalog, _ = two_adapters_one_slot(FakeEngine())
+    gen = await service.chat(chat(model="a"), catalog.acquire("a"))
+    work = asyncio.create_task(gen.collect())
+    work.cancel()  # before it ever ran: steps() and its release never run
+    gen.close()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
     assert 1 not in catalog._in_use
 
 
