@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     YamlConfigSettingsSource,
 )
 
@@ -312,9 +314,25 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
         described = yaml_file.describe(exc)
         detail = f"{path}: {described}" if described else " ".join(str(exc).split())
         raise ConfigError(f"config: {detail}") from None
+    except SettingsError as exc:  # an env var that should hold JSON (a list, a mapping) does not
+        raise ConfigError(_env_error(exc)) from None
     except (OSError, ValueError) as exc:  # unreadable
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config: {detail}") from None
+
+
+def _env_error(exc: SettingsError) -> str:
+    """pydantic-settings names the section ("error parsing value for field "auth" from source
+    "EnvSettingsSource""), not the variable: name the variables that can be it."""
+    field = re.search(r'field "(\w+)"', str(exc))
+    if field is None or "EnvSettingsSource" not in str(exc):
+        return f"config: {' '.join(str(exc).split())}"
+    prefix = f"GATEWAY_{field.group(1).upper()}"
+    names = sorted(n for n in os.environ if n.upper() == prefix or n.upper().startswith(prefix + "__"))
+    return (
+        f"config: {', '.join(names) or prefix}: not valid JSON "
+        "(a list or a mapping in an environment variable is written as JSON)"
+    )
 
 
 def _check_top_level(path: Path) -> None:

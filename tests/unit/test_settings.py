@@ -435,3 +435,14 @@ def test_cli_chat_session_goes_on_after_a_failed_turn(
 )
 def test_chat_takes_the_sdk_base_url_only_from_the_path(url: str, root: str) -> None:
     assert _base_url(url) == root
+
+
+def test_an_env_var_that_is_not_json_is_named(env: pytest.MonkeyPatch) -> None:
+    """pydantic-settings said 'error parsing value for field "auth"': which variable, and why?"""
+    env.setenv("GATEWAY_AUTH__KEYS", "notjson")
+    with pytest.raises(ConfigError) as info:
+        load_settings({})
+    assert str(info.value) == (
+        "config: GATEWAY_AUTH__KEYS: not valid JSON (a list or a mapping in an environment variable "
+        "is written as JSON)"
+    )
