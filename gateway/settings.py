@@ -261,9 +261,17 @@ _NOT_SETTINGS_PREFIXES = ("GATEWAY_SERVICE_", "GATEWAY_PORT_")
 def unknown_env(environ: Mapping[str, str]) -> list[str]:
     """One line for each ``GATEWAY_*`` variable that names no setting. pydantic-settings
     looks up the names it knows and never sees the others, so ``GATEWAY_SERVER_PORT`` (one
-    underscore) would change nothing, silently. (A name under a known section,
-    ``GATEWAY_ENGINE__NOPE``, is an error of the settings already.)"""
-    sections = {name.upper() for name in GatewaySettings.model_fields}
+    underscore) would change nothing, silently, and so would ``GATEWAY_CATALOG__X`` (nesting
+    under a setting that is not a section). (A name under a known section,
+    ``GATEWAY_ENGINE__NOPE``, is an error of the settings already.) The two-underscore hint
+    names only a field the section has."""
+    fields = GatewaySettings.model_fields
+    sections = {
+        name.upper(): field.annotation
+        for name, field in fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+    values = {name.upper() for name in fields} - sections.keys()
     found = []
     for name in sorted(environ):
         upper = name.upper()
@@ -273,10 +281,18 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
             or upper.startswith(_NOT_SETTINGS_PREFIXES)
         ):
             continue
-        top = upper.removeprefix("GATEWAY_").split("__", 1)[0]
-        if top in sections:
+        rest = upper.removeprefix("GATEWAY_")
+        if rest in values or rest.split("__", 1)[0] in sections:
             continue
-        meant = next((f"GATEWAY_{s}__{top[len(s) + 1 :]}" for s in sections if top.startswith(s + "_")), None)
+        meant = next(
+            (
+                f"GATEWAY_{section}__{rest[len(section) + 1 :]}"
+                for section, model in sections.items()
+                if rest.startswith(section + "_")
+                and rest[len(section) + 1 :].split("__", 1)[0].lower() in model.model_fields
+            ),
+            None,
+        )
         hint = f"; nested settings take two underscores: {meant}" if meant else ""
         found.append(f"{name} is not a setting and is ignored{hint}")
     return found

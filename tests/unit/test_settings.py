@@ -174,6 +174,26 @@ def test_gateway_variables_that_name_no_setting_are_reported() -> None:
     ]
 
 
+def test_the_two_underscore_hint_names_only_a_setting_that_exists() -> None:
+    """``catalog`` and ``config`` are values, not sections: ``GATEWAY_CATALOG_POLL`` was told
+    to write ``GATEWAY_CATALOG__POLL``, which pydantic-settings ignores as silently, and that
+    one itself passed unreported."""
+    environ = {
+        "GATEWAY_CATALOG_POLL": "1",
+        "GATEWAY_CATALOG__X": "1",  # nesting under a value: never read
+        "GATEWAY_CATALOG_POLL_S": "1",  # a setting
+        "GATEWAY_SERVER_PORTS": "1",  # no field of server: no hint
+        "GATEWAY_LIMITS_MAX_N": "1",
+    }
+    assert unknown_env(environ) == [
+        "GATEWAY_CATALOG_POLL is not a setting and is ignored",
+        "GATEWAY_CATALOG__X is not a setting and is ignored",
+        "GATEWAY_LIMITS_MAX_N is not a setting and is ignored; nested settings take two underscores: "
+        "GATEWAY_LIMITS__MAX_N",
+        "GATEWAY_SERVER_PORTS is not a setting and is ignored",
+    ]
+
+
 def test_cli_warns_of_a_gateway_variable_that_names_no_setting(
     empty_config: str, env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
