@@ -317,3 +317,19 @@ def test_cpu_kv_cache_setting_wins_over_the_environment_only_when_given(
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     _cpu_kv_cache_space(EngineSettings())
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_the_shipped_settings_leave_the_cpu_kv_cache_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """configs/gateway.yaml named ``cpu_kvcache_space_gib: 2``, so with the default settings a
+    VLLM_CPU_KVCACHE_SPACE of the environment was always replaced by 2: "given" only in name."""
+    from gateway.engine import _cpu_kv_cache_space
+    from gateway.settings import DEFAULT_CONFIG, load_settings
+
+    for name in [n for n in os.environ if n.upper().startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    with caplog.at_level("WARNING", logger="gateway.engine"):
+        _cpu_kv_cache_space(load_settings({"config": str(DEFAULT_CONFIG), "engine.max_num_seqs": 4}).engine)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8" and not caplog.records
