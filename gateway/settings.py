@@ -68,6 +68,13 @@ class EngineSettings(_Section):
     cpu_kvcache_space_gib: int = Field(2, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM unchanged")
 
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _home(cls, value: str | None) -> str | None:
+        """``~/models/x`` (YAML, or ``--model=~/...`` where the shell leaves it) is a path to
+        vLLM only once expanded: as written it reads as a Hugging Face repo id."""
+        return os.path.expanduser(value) if value is not None and value.startswith("~") else value
+
 
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
