@@ -9,6 +9,7 @@ names, and ``engine.engine_args`` passes anything else through to vLLM unchanged
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -352,10 +353,20 @@ def _env_error(exc: SettingsError) -> str:
         return f"config: {' '.join(str(exc).split())}"
     prefix = f"GATEWAY_{field.group(1).upper()}"
     names = sorted(n for n in os.environ if n.upper() == prefix or n.upper().startswith(prefix + "__"))
+    # the section's other variables (GATEWAY_ENGINE__MAX_NUM_SEQS=4) are not it
+    names = [n for n in names if not _is_json(os.environ[n])] or names
     return (
         f"config: {', '.join(names) or prefix}: not valid JSON "
         "(a list or a mapping in an environment variable is written as JSON)"
     )
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_top_level(path: Path) -> None:

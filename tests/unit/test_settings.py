@@ -474,3 +474,12 @@ def test_a_model_path_under_home_reaches_the_engine_expanded(empty_config: str) 
     settings = load_settings({"config": empty_config, "engine.model": "~/models/gemma"})
     assert settings.engine.model == str(Path.home() / "models" / "gemma")
     assert load_settings({"config": empty_config, "engine.model": "org/model"}).engine.model == "org/model"
+
+
+def test_an_env_var_that_is_not_json_is_named_alone(env: pytest.MonkeyPatch) -> None:
+    """The section's other variables, fine as they are, were named with it."""
+    env.setenv("GATEWAY_ENGINE__ENGINE_ARGS", "{enforce_eager: true}")
+    env.setenv("GATEWAY_ENGINE__MAX_NUM_SEQS", "4")
+    with pytest.raises(ConfigError) as info:
+        load_settings({})
+    assert str(info.value).startswith("config: GATEWAY_ENGINE__ENGINE_ARGS: not valid JSON")
