@@ -13,7 +13,17 @@ from typing import Any
 SITE = Path(__file__).resolve().parent / "trace_site"
 VAR = "BENCH_LORA_TRACE"
 FLUSH_S = 0.5  # how often the engine process writes its counters
-KEYS = ("loads", "load_s", "activations", "activation_s", "applies", "adapters")
+KEYS = (
+    "loads",
+    "load_s",
+    "activations",
+    "activation_s",
+    "applies",
+    "adapters",
+    "schedules",
+    "schedule_s",
+    "waiting",
+)
 
 
 def server_env(env: dict[str, str], folder: Path) -> dict[str, str]:
@@ -44,7 +54,8 @@ def read(env: dict[str, str], settle: bool = False) -> dict[str, float] | None:
 
 def point_fields(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
     """A point's LoRA work: loads from disk and copies into GPU slots (count, mean ms), steps
-    with LoRA, and mean adapters in such a step's batch."""
+    with LoRA, and mean adapters in such a step's batch; and the engine scheduler's mean time
+    per step and the requests waiting in the engine at each."""
     if before is None or after is None:
         return {}
     d = {k: after[k] - before[k] for k in KEYS}
@@ -57,4 +68,6 @@ def point_fields(before: dict[str, float] | None, after: dict[str, float] | None
         "lora_load_s": d["load_s"],
         "lora_steps": d["applies"],
         "lora_adapters_per_step": d["adapters"] / d["applies"] if d["applies"] else None,
+        "sched_ms_mean": d["schedule_s"] / d["schedules"] * 1000 if d["schedules"] else None,
+        "sched_waiting_mean": d["waiting"] / d["schedules"] if d["schedules"] else None,
     }

@@ -403,7 +403,8 @@ def lora_work(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, An
                         f"{_f(p.get('lora_adapters_per_step'), '{:.2f}')} | {_f(p['lora_activations'], '{:.0f}')} | "
                         f"{_f(p.get('lora_activation_ms_mean'), '{:.2f}')} | {_f(p['lora_activation_s'], '{:.2f}')} | "
                         f"{_f(p['lora_loads'], '{:.0f}')} | {_f(p.get('lora_load_ms_mean'), '{:.2f}')} | "
-                        f"{_f(p['lora_load_s'], '{:.2f}')} |"
+                        f"{_f(p['lora_load_s'], '{:.2f}')} | {_f(p.get('sched_ms_mean'), '{:.3f}')} | "
+                        f"{_f(p.get('sched_waiting_mean'), '{:.1f}')} |"
                     )
     if not rows:
         return []
@@ -411,8 +412,9 @@ def lora_work(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, An
         "",
         "LoRA work in the engine (`--lora-trace`; wall time in the engine's loop, an activation's including its wait for queued GPU work):",
         "",
-        "| target | mix | conc | steps with LoRA | adapters / step | copies into a GPU slot | ms each | s in all | loads from disk | ms each | s in all |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mix | conc | steps with LoRA | adapters / step | copies into a GPU slot | ms each | s in all "
+        "| loads from disk | ms each | s in all | scheduler ms / step | waiting in the engine / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

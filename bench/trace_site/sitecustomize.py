@@ -1,15 +1,19 @@
-"""`--lora-trace`: counts what vLLM's LoRA worker does in each server's engine process.
+"""`--lora-trace`: counts what vLLM's LoRA worker and scheduler do in each server's engine.
 
 Put on both servers' PYTHONPATH by bench/run.py with ``BENCH_LORA_TRACE`` naming a folder.
-Python imports this module at start in every process of the server; in the one that imports
-vLLM's LoRA worker manager (the engine core), it wraps three methods, the same on both
-servers, and writes cumulative counters to ``<folder>/<pid>.json`` every 0.5 s:
+Python imports this module at start in every process of the server; in those that import
+vLLM's LoRA worker manager or its scheduler (the engine core on a GPU; the worker and the
+engine core on CPU), it wraps four methods, the same on both servers, and writes cumulative
+counters to ``<folder>/<pid>.json`` every 0.5 s:
 
 - ``loads``: ``WorkerLoRAManager._load_adapter``, an adapter read from disk into host memory;
 - ``activations``: ``LRUCacheLoRAModelManager.activate_adapter`` that copied an adapter into a
   GPU slot (a call for an adapter already in a slot copies nothing and is not counted);
 - ``applies``: ``LRUCacheWorkerLoRAManager._apply_adapters``, once per engine step with LoRA,
-  with the number of adapters that step's batch names (``adapters``).
+  with the number of adapters that step's batch names (``adapters``);
+- ``schedules``: vLLM's ``Scheduler.schedule``, once per engine step, with its time and the
+  requests waiting in the engine when it began (``waiting``): the scheduler looks at each
+  waiting request it cannot place (one whose adapter finds no free slot) at every step.
 
 Times are wall seconds in the engine's loop. An activation copies from pageable host memory,
 so its time includes waiting for the GPU work queued before it.
@@ -23,15 +27,29 @@ import threading
 import time
 
 _DIR = os.environ.get("BENCH_LORA_TRACE")
-_MODULE = "vllm.lora.worker_manager"
+_T0 = time.monotonic()
+_LORA = ("vllm.lora.worker_manager", "LRUCacheWorkerLoRAManager")
+_SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 
 
-_COUNTS = dict.fromkeys(("loads", "load_s", "activations", "activation_s", "applies", "adapters"), 0.0)
-_installed = False
+_COUNTS = dict.fromkeys(
+    (
+        "loads",
+        "load_s",
+        "activations",
+        "activation_s",
+        "applies",
+        "adapters",
+        "schedules",
+        "schedule_s",
+        "waiting",
+    ),
+    0.0,
+)
+_installed: set[str] = set()  # the modules wrapped in this process (a fork inherits them)
 
 
-def _install() -> None:
-    global _installed
+def _install_lora() -> None:
     import vllm.lora.model_manager as mm
     import vllm.lora.worker_manager as wm
 
@@ -64,21 +82,46 @@ def _install() -> None:
     wm.WorkerLoRAManager._load_adapter = _load_adapter
     mm.LRUCacheLoRAModelManager.activate_adapter = activate_adapter
     wm.LRUCacheWorkerLoRAManager._apply_adapters = _apply_adapters
-    _installed = True
+
+
+def _install_scheduler() -> None:
+    import vllm.v1.core.sched.scheduler as sched
+
+    counts = _COUNTS
+    schedule = sched.Scheduler.schedule
+
+    def _schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        counts["schedules"] += 1
+        counts["waiting"] += len(self.waiting) + len(getattr(self, "skipped_waiting", ()))
+        t = time.perf_counter()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            counts["schedule_s"] += time.perf_counter() - t
+
+    sched.Scheduler.schedule = _schedule
+
+
+def _ready(module: str, attr: str) -> bool:
+    """Imported, and past defining ``attr`` (not half way through its import)."""
+    return getattr(sys.modules.get(module), attr, None) is not None
 
 
 def _run() -> None:
-    """Wrap once vLLM's LoRA worker is imported, then flush the counters as this pid."""
-    if not _installed:
-        while _MODULE not in sys.modules:
-            time.sleep(0.02)
-        while getattr(sys.modules[_MODULE], "LRUCacheWorkerLoRAManager", None) is None:
-            time.sleep(0.02)  # the module is still being imported
-        _install()
+    """Wrap vLLM's LoRA worker and scheduler once each is imported, and flush the counters
+    as this pid. On a GPU both run in the engine core process; on CPU the worker is a process
+    of its own: each writes its file, and the reader sums them."""
     path = os.path.join(_DIR or ".", f"{os.getpid()}.json")
     while True:
-        time.sleep(0.5)
-        if _COUNTS["applies"] or _COUNTS["loads"]:
+        for (module, attr), install in ((_LORA, _install_lora), (_SCHEDULER, _install_scheduler)):
+            if module not in _installed and _ready(module, attr):
+                install()
+                _installed.add(module)
+        # Quick while the engine starts (the first schedule comes soon after the import),
+        # then no more than the flush: processes that never import both stay cheap.
+        waiting_for_imports = len(_installed) < 2 and time.monotonic() - _T0 < 600
+        time.sleep(0.02 if waiting_for_imports else 0.5)
+        if any(_COUNTS.values()):  # the worker and the scheduler may be two processes (CPU)
             tmp = path + ".tmp"
             with open(tmp, "w") as fh:
                 json.dump(_COUNTS, fh)

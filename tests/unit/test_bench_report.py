@@ -137,6 +137,9 @@ def test_lora_trace_sums_the_engine_processes_and_takes_a_points_difference(tmp_
         "activation_s": 0.02,
         "applies": 10,
         "adapters": 25,
+        "schedules": 40,
+        "schedule_s": 0.01,
+        "waiting": 120,
     }
     (tmp_path / "trace" / "11.json").write_text(json.dumps(counts))
     (tmp_path / "trace" / "12.json").write_text(json.dumps({**counts, "loads": 0, "load_s": 0.0}))
@@ -145,3 +148,6 @@ def test_lora_trace_sums_the_engine_processes_and_takes_a_points_difference(tmp_
     assert fields["lora_loads"] == 2 and fields["lora_load_ms_mean"] == pytest.approx(50.0)
     assert fields["lora_activations"] == 8 and fields["lora_activation_ms_mean"] == pytest.approx(5.0)
     assert fields["lora_steps"] == 20 and fields["lora_adapters_per_step"] == pytest.approx(2.5)
+    assert fields["sched_ms_mean"] == pytest.approx(0.25) and fields["sched_waiting_mean"] == pytest.approx(
+        3.0
+    )
