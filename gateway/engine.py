@@ -277,9 +277,8 @@ class EngineManager:
         except GatewayError:
             raise
         except Exception as exc:
-            error = _translate(exc)
-            if isinstance(error, EngineUnavailable):
-                raise error from exc
+            if _engine_dead(exc):
+                raise EngineUnavailable("the engine has stopped") from exc
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise EngineFailed(f"the engine could not pin it to a GPU slot: {reason}") from exc
 
@@ -407,11 +406,15 @@ def _finite(value: float) -> float:
     return value if value > -9999.0 else -9999.0
 
 
-def _translate(exc: Exception) -> GatewayError:
-    """Map a vLLM exception to a gateway error by type, never by message text."""
+def _engine_dead(exc: Exception) -> bool:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    if isinstance(exc, EngineDeadError):
+    return isinstance(exc, EngineDeadError)
+
+
+def _translate(exc: Exception) -> GatewayError:
+    """Map a vLLM exception to a gateway error by type, never by message text."""
+    if _engine_dead(exc):
         return EngineUnavailable("the engine has stopped")
     client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
     try:

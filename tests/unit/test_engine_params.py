@@ -263,7 +263,7 @@ async def test_an_unenforced_schema_is_a_400_on_the_field_it_came_from(
     assert info.value.param == param
 
 
-async def test_a_refused_pin_keeps_the_engines_reason() -> None:
+async def test_a_refused_pin_keeps_the_engines_reason(caplog: pytest.LogCaptureFixture) -> None:
     """vLLM's utility call fails with a bare Exception: it read as 'the engine failed to
     process the request' on the route's rejection, which told the operator nothing."""
 
@@ -271,8 +271,12 @@ async def test_a_refused_pin_keeps_the_engines_reason() -> None:
         raise Exception(f"Call to pin_lora method failed: Pinning failed. LoRA {lora_id} is not loaded.")
 
     manager = _manager_on(SimpleNamespace(errored=False, pin_lora=pin_lora))
-    with pytest.raises(EngineFailed, match="could not pin it to a GPU slot: .*LoRA 3 is not loaded"):
+    with (
+        caplog.at_level("ERROR", logger="gateway.engine"),
+        pytest.raises(EngineFailed, match="could not pin it to a GPU slot: .*LoRA 3 is not loaded"),
+    ):
         await manager.pin_lora(3)
+    assert not caplog.records  # the caller logs the rejection once, with the route's name
 
 
 def test_secret_engine_args_are_not_logged(
