@@ -7,23 +7,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 SITE = Path(__file__).resolve().parent / "trace_site"
 VAR = "BENCH_LORA_TRACE"
 FLUSH_S = 0.5  # how often the engine process writes its counters
-KEYS = (
-    "loads",
-    "load_s",
-    "activations",
-    "activation_s",
-    "applies",
-    "adapters",
-    "schedules",
-    "schedule_s",
-    "waiting",
-)
 
 
 def server_env(env: dict[str, str], folder: Path) -> dict[str, str]:
@@ -34,21 +24,22 @@ def server_env(env: dict[str, str], folder: Path) -> dict[str, str]:
 
 
 def read(env: dict[str, str], settle: bool = False) -> dict[str, float] | None:
-    """The counters summed over the server's engine processes; None without the trace.
-    ``settle``: wait out one flush first, so that a point's last steps are counted."""
+    """The counters (trace_site's ``_COUNTS``) summed over the server's engine processes;
+    None without the trace. ``settle``: wait out one flush first, so that a point's last steps
+    are counted."""
     folder = env.get(VAR)
     if not folder:
         return None
     if settle:
         time.sleep(2 * FLUSH_S)
-    total = dict.fromkeys(KEYS, 0.0)
+    total: dict[str, float] = {}
     for f in Path(folder).glob("*.json"):
         try:
             counts = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        for k in KEYS:
-            total[k] += float(counts.get(k, 0.0))
+        for k, v in counts.items():
+            total[k] = total.get(k, 0.0) + float(v)
     return total
 
 
@@ -58,7 +49,7 @@ def point_fields(before: dict[str, float] | None, after: dict[str, float] | None
     per step and the requests waiting in the engine at each."""
     if before is None or after is None:
         return {}
-    d = {k: after[k] - before[k] for k in KEYS}
+    d: defaultdict[str, float] = defaultdict(float, {k: v - before.get(k, 0.0) for k, v in after.items()})
     return {
         "lora_loads": d["loads"],
         "lora_load_ms_mean": d["load_s"] / d["loads"] * 1000 if d["loads"] else None,
