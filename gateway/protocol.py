@@ -60,7 +60,32 @@ class _Request(BaseModel):
             raise InvalidRequest(
                 "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
             )
+        _refuse_openai_chat_options(extra)
         return self
+
+
+def _refuse_openai_chat_options(extra: dict[str, Any]) -> None:
+    """OpenAI chat's fields for what this model cannot do: audio answers, web search,
+    moderation, a verbosity or a reasoning effort. A request for them is refused, not
+    answered without them (on completions too, where OpenAI refuses them as unknown and vLLM
+    would ignore them)."""
+    modalities = extra.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise InvalidRequest("modalities: this model answers in text only (['text'])", param="modalities")
+    for name in ("audio", "web_search_options"):  # ``{}`` asks for web search with its defaults
+        if extra.get(name) is not None:
+            raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+    if extra.get("moderation") is not None:
+        raise InvalidRequest("'moderation' is not supported by this gateway", param="moderation")
+    if extra.get("verbosity") not in (None, "medium"):  # OpenAI's; low/high would change the answer
+        raise InvalidRequest("verbosity: only 'medium' is supported by this gateway", param="verbosity")
+    # OpenAI refuses it for a model that does not reason; vLLM hands it to the chat template,
+    # which here does not read it. "none" (no reasoning) is what this model does anyway.
+    if extra.get("reasoning_effort") not in (None, "none"):
+        raise InvalidRequest(
+            "reasoning_effort: this model does not reason; only 'none' is supported",
+            param="reasoning_effort",
+        )
 
 
 # vLLM's own request fields that would change the answer (or its shape) and that this
@@ -245,18 +270,6 @@ class ChatCompletionRequest(SamplingFields):
         extra = self.model_extra or {}
         if extra.get("echo") not in (None, False):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
-        # OpenAI's audio answers and web search: the model here writes text and searches
-        # nothing, so a request for them is refused, not answered without them.
-        modalities = extra.get("modalities")
-        if modalities is not None and modalities != ["text"]:
-            raise InvalidRequest("modalities: this model answers in text only (['text'])", param="modalities")
-        for name in ("audio", "web_search_options"):  # ``{}`` asks for web search with its defaults
-            if extra.get(name) is not None:
-                raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
-        if extra.get("moderation") is not None:
-            raise InvalidRequest("'moderation' is not supported by this gateway", param="moderation")
-        if extra.get("verbosity") not in (None, "medium"):  # OpenAI's; low/high would change the answer
-            raise InvalidRequest("verbosity: only 'medium' is supported by this gateway", param="verbosity")
         return self
 
     @field_validator("messages")
@@ -277,6 +290,13 @@ class ChatCompletionRequest(SamplingFields):
         return self.top_logprobs or 0
 
 
+# Chat's names for what completions name otherwise (vLLM ignores them there, and the
+# answer would not be what was asked): refused, naming the field to use.
+_CHAT_ONLY = {
+    "max_completion_tokens": "'max_tokens'",
+    "messages": "'prompt' (or use /v1/chat/completions)",
+    "top_logprobs": "'logprobs' (the number of top tokens)",
+}
 PromptInput = str | list[int]
 TokenId = Annotated[int, Field(ge=0)]
 Text = Annotated[str, Field(min_length=1)]
@@ -299,6 +319,12 @@ class CompletionRequest(SamplingFields):
     def _zero_tokens_needs_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+        extra = self.model_extra or {}
+        for name, instead in _CHAT_ONLY.items():  # a request that sends them means them
+            if extra.get(name) not in (None, False):
+                raise InvalidRequest(
+                    f"'{name}' is a chat completions field; /v1/completions takes {instead}", param=name
+                )
         return self
 
     @field_validator("prompt", mode="before")

@@ -284,6 +284,20 @@ async def test_a_stream_format_an_endpoint_answers_in_is_served(
         ("/v1/completions", "best_of", 2),
         ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "functions", [{"name": "f"}]),
+        # OpenAI refuses a reasoning effort for a model that does not reason; vLLM hands it to
+        # the chat template, which ignores it: "low" was answered as if unset
+        ("/v1/chat/completions", "reasoning_effort", "low"),
+        ("/v1/chat/completions", "reasoning_effort", "minimal"),
+        # chat's fields sent to completions were ignored (vLLM's unknown fields)
+        ("/v1/completions", "max_completion_tokens", 2),
+        ("/v1/completions", "messages", MSG),
+        ("/v1/completions", "top_logprobs", 3),
+        ("/v1/completions", "reasoning_effort", "high"),
+        ("/v1/completions", "verbosity", "low"),
+        ("/v1/completions", "modalities", ["audio"]),
+        ("/v1/completions", "audio", {"voice": "alloy", "format": "mp3"}),
+        ("/v1/completions", "web_search_options", {}),
+        ("/v1/completions", "moderation", {"model": "omni-moderation-latest"}),
     ],
 )
 async def test_answer_changing_fields_are_refused_by_name(
@@ -296,8 +310,17 @@ async def test_answer_changing_fields_are_refused_by_name(
 
 async def test_defaults_of_refused_fields_are_accepted(serve: Serve) -> None:
     served = await serve()
-    fields = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "verbosity": "medium"}
+    fields = {
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "verbosity": "medium",
+        "reasoning_effort": "none",
+        "modalities": ["text"],
+    }
     r = await served.http.post("/v1/chat/completions", json=body_for("/v1/chat/completions", **fields))
+    assert r.status_code == 200, r.text
+    fields |= {"max_completion_tokens": None, "messages": None, "top_logprobs": 0}
+    r = await served.http.post("/v1/completions", json=body_for("/v1/completions", **fields))
     assert r.status_code == 200, r.text
 
 
