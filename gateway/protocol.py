@@ -234,13 +234,21 @@ class Message(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, content: Any) -> Any:
+    def _text_only(cls, content: Any, info: ValidationInfo) -> Any:
         # An image or audio part gets a clear answer rather than "should be a valid string".
-        for part in content if isinstance(content, list) else ():
+        # An assistant's refusal part (OpenAI's, in a replayed history) is its text, as vLLM
+        # reads it.
+        if not isinstance(content, list):
+            return content
+        parts = []
+        for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if kind == "refusal" and info.data.get("role") == "assistant":
+                part = {"type": "text", "text": part.get("refusal")}
+            elif isinstance(kind, str) and kind != "text":
                 raise ValueError(f"'{kind[:40]}' content parts are not supported by this model (text only)")
-        return content
+            parts.append(part)
+        return parts
 
     @property
     def text(self) -> str:

@@ -203,7 +203,8 @@ def input_messages(value: str | list[Any], param: str = "input") -> list[dict[st
             role = item.get("role")
             if role not in _ROLES:
                 raise InvalidRequest(f"role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            content = _text(item.get("content"), f"{where}.content", refusals=role == "assistant")
+            messages.append({"role": role, "content": content})
         else:
             raise InvalidRequest(f"input items of type '{kind}' are not supported", param=f"{where}.type")
     return messages
@@ -226,8 +227,9 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, param: str) -> str:
-    """A string, or the text of a list of text parts."""
+def _text(content: Any, param: str, refusals: bool = False) -> str:
+    """A string, or the text of a list of text parts. ``refusals``: an assistant's
+    ``refusal`` parts (an earlier response's output, sent back) count as its text."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -235,11 +237,12 @@ def _text(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        key = "refusal" if kind == "refusal" and refusals else "text"
+        if (kind not in _TEXT_PARTS and key == "text") or not isinstance(part.get(key), str):
             raise InvalidRequest(
                 f"content parts of type '{kind}' are not supported (text only)", param=f"{param}[{j}].type"
             )
-        texts.append(part["text"])
+        texts.append(part[key])
     return "\n".join(texts)  # as vLLM joins text parts
 
 

@@ -149,6 +149,15 @@ def test_image_parts_say_images_are_not_supported() -> None:
     assert err["loc"] == ("messages", 0, "content") and "not supported" in err["msg"]
 
 
+def test_an_assistant_refusal_part_is_its_text() -> None:
+    # OpenAI's assistant messages may hold refusal parts (a replayed history); vLLM reads
+    # them as text. They were a 400 "'refusal' content parts are not supported".
+    refusal = [{"type": "refusal", "refusal": "No."}]
+    turns = [*USER, {"role": "assistant", "content": refusal}, *USER]
+    assert chat(messages=turns).messages[1].text == "No."
+    assert refused(chat, messages=[{"role": "user", "content": refusal}]) == "messages.0.content"
+
+
 def test_prompt_forms() -> None:
     assert completion(prompt="a").prompts == ["a"]
     assert completion(prompt=["a", "b"]).prompts == ["a", "b"]

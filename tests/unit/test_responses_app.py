@@ -116,6 +116,29 @@ def test_instructions_and_message_list(http_nolife: TestClient, engine: ReadyEng
     assert engine.calls[0][1].temperature == 0.5
 
 
+def test_an_assistant_refusal_part_sent_back_is_its_text(
+    http_nolife: TestClient, engine: ReadyEngine
+) -> None:
+    # An OpenAI response's output message may hold a refusal part; sent back as input (the
+    # history), it was a 400 "content parts of type 'refusal' are not supported"
+    items: Any = [
+        {"role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "user", "content": "Why?"},
+    ]
+    sdk(http_nolife).responses.create(model="base-model", input=items)
+    assert prompt_of(engine) == "user:Hi\nassistant:No.\nuser:Why?\nmodel:"
+    r = http_nolife.post(
+        "/v1/responses",
+        json={
+            "model": "base-model",
+            "input": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}],
+        },
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0].type", r.text
+
+
 def test_max_output_tokens_makes_it_incomplete(http_nolife: TestClient, engine: ReadyEngine) -> None:
     r = sdk(http_nolife).responses.create(model="base-model", input="Hi", max_output_tokens=2)
     assert r.status == "incomplete" and r.incomplete_details is not None
