@@ -13,8 +13,8 @@ named one) become chat's; ``function_call`` input items become an assistant mess
 checks, template and grammar apply. Other tool types (web search, file search, MCP, ...)
 are refused with a 400 naming the tool.
 
-Fields that would change the answer but are not implemented (reasoning, include,
-background, conversation, prompt, moderation, ...) are refused with a 400 naming the field,
+Fields that would change the answer but are not implemented (reasoning, include's
+logprobs, background, conversation, prompt, moderation, ...) are refused with a 400 naming the field,
 and so are chat's spellings of what the Responses API names otherwise (``max_tokens``,
 ``response_format``, ``messages``, ...), with the field to use. Every other field goes on to
 the chat request, so it is honoured or refused as chat does it: vLLM's sampling extensions
@@ -46,17 +46,19 @@ _TEXT_PARTS = ("input_text", "output_text")
 # Fields that would change the answer; each may still be sent "unused" (None, [], False,
 # an object of nulls) or with the value named here.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
-    "include": (),
     "background": (),
     "conversation": (),
     "prompt": (),
-    "reasoning": (),
     "truncation": ("disabled",),
     "max_tool_calls": (),
     "moderation": (),
     "context_management": (),
     "echo": (),
 }
+# ``include`` values: all but the logprobs add what this gateway never makes (reasoning
+# items, tool calls other than functions, images), so they change nothing, as on OpenAI for
+# a model without them.
+_INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _TOOL_CHOICE = "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
 # Chat completions' names for what a Responses request says otherwise: refused (a request
 # that sends them means them), naming the field to use.
@@ -154,6 +156,22 @@ class ResponsesRequest(BaseModel):
         for name, allowed in _UNSUPPORTED.items():
             if not _unused(extra.get(name), allowed):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+        include = extra.get("include")
+        if include is not None and (
+            not isinstance(include, list) or not all(isinstance(value, str) for value in include)
+        ):
+            raise InvalidRequest("include must be a list of strings", param="include")
+        if _INCLUDE_LOGPROBS in (include or ()):
+            raise InvalidRequest(
+                f"include: '{_INCLUDE_LOGPROBS}' is not supported by this gateway", param="include"
+            )
+        reasoning = extra.get("reasoning")
+        if isinstance(reasoning, dict) and reasoning.get("effort") == "none":  # no reasoning: as this model
+            reasoning = {**reasoning, "effort": None}
+        if not _unused(reasoning, ()):
+            raise InvalidRequest(
+                "reasoning: this model does not reason (only effort 'none')", param="reasoning"
+            )
         for name, instead in _CHAT_SPELLINGS.items():
             if not _unused(extra.get(name), ()):
                 raise InvalidRequest(
@@ -170,7 +188,7 @@ class ResponsesRequest(BaseModel):
     @property
     def chat_extras(self) -> dict[str, Any]:
         """The fields this model does not declare, for the chat request to honour or refuse."""
-        skip = (*_UNSUPPORTED, *_CHAT_SPELLINGS, *_NOT_PASSED)
+        skip = (*_UNSUPPORTED, *_CHAT_SPELLINGS, *_NOT_PASSED, "include", "reasoning")
         return {name: value for name, value in (self.model_extra or {}).items() if name not in skip}
 
 

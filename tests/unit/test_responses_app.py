@@ -394,6 +394,9 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
+        ({"reasoning": {"effort": "none", "summary": "auto"}}, "reasoning"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
@@ -434,6 +437,27 @@ def test_unsupported_fields_are_400(http_nolife: TestClient, extra: dict[str, An
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # what a model without reasoning or hosted tools has nothing of: was a 400 on 'include'
+        {"include": ["reasoning.encrypted_content"], "store": False},
+        {"include": ["web_search_call.action.sources", "file_search_call.results"]},
+        {"reasoning": {"effort": "none"}},  # as chat's reasoning_effort "none"
+        {"reasoning": {"effort": None, "summary": None}},
+    ],
+)
+def test_fields_that_ask_nothing_of_this_model_are_taken(
+    http_nolife: TestClient, extra: dict[str, Any]
+) -> None:
+    r = http_nolife.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": "Hi", **extra},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(
