@@ -66,8 +66,10 @@ async def read_json(request: Request, model: type[M], limits: LimitSettings, any
             f"the request body did not arrive within {limits.body_timeout_s:g} s (limits.body_timeout_s)"
         ) from None
     try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        # Decoded strictly first: json.loads(bytes) decodes with "surrogatepass", so a lone
+        # surrogate sent as raw (CESU-8) bytes would pass through and fail in the tokenizer.
+        data = json.loads(body.decode(json.detect_encoding(body)))
+    except (ValueError, RecursionError):  # ValueError: also bad UTF-8; RecursionError: deep nesting
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")

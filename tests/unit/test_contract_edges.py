@@ -90,6 +90,19 @@ async def test_a_lone_surrogate_is_a_400(serve: Serve, raw: str, param: str) -> 
     assert r.json()["error"]["param"] == param
 
 
+async def test_a_lone_surrogate_in_raw_bytes_is_a_400(serve: Serve) -> None:
+    # json.loads(bytes) decodes with "surrogatepass": these bytes reached the tokenizer (500).
+    served = await serve()
+    raw = '{"model":"base","messages":[{"role":"user","content":"\ud800"}]}'
+    r = await served.http.post(
+        "/v1/chat/completions",
+        content=raw.encode("utf-8", "surrogatepass"),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "request body is not valid JSON"
+
+
 async def test_a_surrogate_pair_is_text(serve: Serve) -> None:
     served = await serve()
     raw = '{"model":"base","messages":[{"role":"user","content":"\\ud83d\\ude00 and \\\\ud800"}]}'

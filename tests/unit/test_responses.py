@@ -78,7 +78,15 @@ async def test_a_body_at_the_limit_is_read() -> None:
 
 
 @pytest.mark.parametrize(
-    "body", [b"{not json", b"", b'{"name": "a"', b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000]
+    "body",
+    [
+        b"{not json",
+        b"",
+        b'{"name": "a"',
+        b"\xff\xfe",
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"name": "\xed\xa0\x80"}',  # a lone surrogate as raw bytes: not UTF-8
+    ],
 )
 async def test_bad_json_is_400(body: bytes) -> None:
     req, _ = request([body])
