@@ -20,6 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -40,7 +41,7 @@ from gateway.adapters_check import (
 from gateway.catalog_file import CatalogFile, RouteEntry, SamplingDefaults, ToolParser
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
 from gateway.snapshots import SnapshotDir
-from gateway.structured import route_constraint
+from gateway.structured import route_constraint, schema_file_path
 from gateway.types import Constraint, LoraSpec
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class RoutingTable:
     _by_task: dict[str, Route] = field(default_factory=dict)
     # When its catalog file was read (taken before the read: an edit during the build is later).
     loaded_at: float = field(default_factory=time.time)
+    # The ``file:`` schemas its entries name (rejected ones too, missing files too): the
+    # watcher watches them as it does the catalog file.
+    files: frozenset[Path] = frozenset()
 
     def __post_init__(self) -> None:
         for route in (self.base, *self.routes.values()):
@@ -93,7 +97,9 @@ class RoutingTable:
     def reject(self, failed: dict[str, str]) -> RoutingTable:
         """This table less the routes in ``failed`` (name -> why), which join ``errors``."""
         routes = {name: r for name, r in self.routes.items() if name not in failed}
-        return RoutingTable(self.base, routes, {**self.errors, **failed}, loaded_at=self.loaded_at)
+        return RoutingTable(
+            self.base, routes, {**self.errors, **failed}, loaded_at=self.loaded_at, files=self.files
+        )
 
     def resolve(
         self, model: str | None, task: str | None = None, allowed: Callable[[str], bool] | None = None
@@ -197,7 +203,20 @@ def load_table(
         taken.update([route.name, *route.aliases])
         taken_tasks.update(route.tasks)
         routes[route.name] = route
-    return RoutingTable(base=base, routes=routes, errors=errors, loaded_at=loaded_at)
+    files = _schema_files(spec.routes, catalog_path.parent)
+    return RoutingTable(base=base, routes=routes, errors=errors, loaded_at=loaded_at, files=files)
+
+
+def _schema_files(entries: list[dict[str, Any]], configs_dir: Path) -> frozenset[Path]:
+    """The files the entries' ``response_format: "file:<path>"`` values name, whether or not
+    they exist yet (a fix to a rejected entry may be the file appearing)."""
+    files = set()
+    for item in entries:
+        value = item.get("response_format") if isinstance(item, dict) else None
+        if isinstance(value, str):
+            with suppress(ConfigError):  # not under the catalog's folder: the entry's error
+                files.add(schema_file_path(value, configs_dir))
+    return frozenset(files)
 
 
 def _repeated(names: list[str]) -> str | None:

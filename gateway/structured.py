@@ -662,7 +662,9 @@ def route_constraint(value: dict[str, Any] | str | None, configs_dir: Path) -> C
         raise ConfigError(exc.message) from None
 
 
-def _schema_file(value: str, configs_dir: Path) -> dict[str, Any]:
+def schema_file_path(value: str, configs_dir: Path) -> Path:
+    """The file a ``file:<path>`` response format names, resolved (ConfigError if it is
+    not such a value, or not under the catalog's folder)."""
     if not value.startswith("file:"):
         raise ConfigError("response_format: a string must be 'file:<path under the catalog folder>'")
     try:
@@ -672,6 +674,11 @@ def _schema_file(value: str, configs_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"response_format: {value}: {exc}") from None
     if not path.is_relative_to(root):
         raise ConfigError(f"response_format: {value} is outside {root}")
+    return path
+
+
+def _schema_file(value: str, configs_dir: Path) -> dict[str, Any]:
+    path = schema_file_path(value, configs_dir)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +55,10 @@ class WatchPlan:
     identity: tuple[tuple[int, int] | None, ...]
 
     @classmethod
-    def of(cls, catalog_path: Path, adapters_root: Path) -> WatchPlan:
+    def of(cls, catalog_path: Path, adapters_root: Path, files: Iterable[Path] = ()) -> WatchPlan:
+        """``files``: more files to watch, as the catalog file (its ``file:`` schemas)."""
         wanted = [(catalog_path.parent, catalog_path.name), (adapters_root.parent, adapters_root.name)]
+        wanted += [(path.parent, path.name) for path in sorted(files)]
         with suppress(OSError, RuntimeError):  # RuntimeError: a symlink loop (Python 3.11)
             target = catalog_path.resolve()
             wanted.append((target.parent, target.name))
@@ -100,8 +102,12 @@ class CatalogWatcher:
         self.reload = reload
         self.interval = interval
         self.reload_now = reload_now
-        self.plan = WatchPlan.of(self.catalog_path, self.adapters_root)
+        self.plan = self.plan_now()
         self.watching = asyncio.Event()  # set while the notifications are set up (for tests)
+
+    def plan_now(self) -> WatchPlan:
+        """The catalog file, the adapters root and the schema files the table names."""
+        return WatchPlan.of(self.catalog_path, self.adapters_root, self.catalog.table.files)
 
     def relevant(self, change: Change, path: str) -> bool:
         """Anything under the adapters root; in the watched folders, the catalog file, the
@@ -136,7 +142,7 @@ class CatalogWatcher:
         # watchfiles logs "N changes detected" at INFO; the watch logs the relevant files.
         logging.getLogger("watchfiles.main").setLevel(logging.WARNING)
         while True:
-            self.plan = WatchPlan.of(self.catalog_path, self.adapters_root)
+            self.plan = self.plan_now()
             if self.plan.root is None:
                 log.warning(
                     "adapters root %s does not exist: adapter files are not watched", self.adapters_root
@@ -190,7 +196,7 @@ class CatalogWatcher:
                 if changed:
                     log.info("catalog files changed: %s", ", ".join(changed[:5]))
                     self.reload_now.set()
-                if WatchPlan.of(self.catalog_path, self.adapters_root) != plan:
+                if self.plan_now() != plan:
                     moved.set()  # watchfiles stops at its next step
         finally:
             started.set()
@@ -208,6 +214,7 @@ class CatalogWatcher:
         coarse file system clocks: its path, or None."""
         since = read_at - 1.0
         paths = [self.catalog_path, self.adapters_root]  # links, and what they point to below
+        paths += self.catalog.table.files
         with suppress(OSError, RuntimeError):
             paths.append(self.catalog_path.resolve())
         with suppress(OSError):

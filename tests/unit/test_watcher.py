@@ -141,6 +141,30 @@ async def test_a_catalog_edit_goes_live_and_editor_files_do_not_reload(tmp_path:
         assert await within(2.0, lambda: "concise" in rig.catalog.table.routes)
 
 
+def schema_of(rig: Rig, route: str) -> object:
+    found = rig.catalog.table.routes.get(route)
+    return None if found is None or found.response_format is None else found.response_format.value
+
+
+@pytest.mark.parametrize("where", ["schema.json", "schemas/answer.json"])
+async def test_a_file_schema_that_appears_or_changes_goes_live(tmp_path: Path, where: str) -> None:
+    """A route's ``response_format: "file:..."`` is part of the catalog: its file appearing
+    (the fix to a rejected entry) or changing reloads as the catalog file does."""
+    async with watching(tmp_path) as rig:
+        entry = f'  - {{name: answers, system_prompt: JSON., response_format: "file:{where}"}}\n'
+        rig.catalog_path.write_text(CATALOG + entry)
+        assert await within(2.0, lambda: "answers" in rig.catalog.table.errors)
+        assert "No such file" in rig.catalog.table.errors["answers"]
+        schema = rig.catalog_path.parent / where
+        schema.parent.mkdir(exist_ok=True)
+        first = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+        schema.write_text(json.dumps(first))
+        assert await within(2.0, lambda: schema_of(rig, "answers") == first)
+        second = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+        schema.write_text(json.dumps(second))  # edited in place
+        assert await within(2.0, lambda: schema_of(rig, "answers") == second)
+
+
 async def test_sighup_reloads_with_no_file_change(tmp_path: Path) -> None:
     async with watching(tmp_path) as rig:
         rig.reload_now.set()
@@ -284,4 +308,5 @@ def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
     assert not relevant(Change.added, str(conf / "adapters.yaml~"))
     assert not relevant(Change.modified, str(conf / "templates" / "adapters.yaml"))
     assert relevant(Change.added, str(rig.root))  # the root replaced, or a root link swapped
+    assert not relevant(Change.modified, str(conf / "schema.json"))  # named by no entry
     assert not relevant(Change.added, str(rig.root.parent / "adapters.new"))
