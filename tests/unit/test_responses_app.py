@@ -278,6 +278,23 @@ def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
     assert (items[2]["call_id"], items[2]["output"]) == ("c1", "42")
 
 
+def test_a_call_left_unanswered_is_openais_400(http_nolife: TestClient) -> None:
+    """A response that ended in a function call, continued with text: the 400 spoke of chat's
+    'messages[2]' and 'tool messages'; OpenAI says which call has no output."""
+    call = {"type": "function_call", "call_id": "call_7", "name": "f", "arguments": "{}"}
+    r = http_nolife.post(
+        "/v1/responses",
+        json={
+            "model": "base-model",
+            "input": [{"role": "user", "content": "Use f."}, call, {"role": "user", "content": "and?"}],
+        },
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "No tool output found for function call call_7."
+    assert r.json()["error"]["param"] == "input"
+
+
 @pytest.mark.parametrize(
     ("query", "param"),
     [
