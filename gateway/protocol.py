@@ -139,8 +139,8 @@ def _harmless(value: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, refused when true
+    include_usage: bool | None = False  # null: the default, as vLLM takes it
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk, refused when true
 
 
 class SamplingFields(_Request):

@@ -242,6 +242,18 @@ async def test_a_lora_route_reaches_the_engine_with_its_adapter(serve: Serve) ->
     assert by_task.headers["x-adapter"] == "shout"
 
 
+async def test_stream_options_given_as_null_are_the_defaults(serve: Serve) -> None:
+    """vLLM takes ``include_usage: null`` as false; it was a 400 'Input should be a valid boolean'."""
+    served = await serve()
+    options = {"include_usage": None, "continuous_usage_stats": None}
+    r = await served.http.post(
+        "/v1/chat/completions", json=chat_body("shout", stream=True, stream_options=options)
+    )
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(d) for d in sse_data(r.text)[:-1]]
+    assert all(c["choices"] and c.get("usage") is None for c in chunks)
+
+
 async def test_chat_stream_is_openai_chunks_then_done(serve: Serve) -> None:
     served = await serve()
     body = chat_body("shout", stream=True, stream_options={"include_usage": True})
