@@ -39,6 +39,7 @@ from pydantic import (
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest
 from gateway.structured import check_schema
+from gateway.tools import UnansweredCall
 from gateway.types import Constraint
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -297,8 +298,6 @@ def chat_request(
     """The chat request that answers ``body``: instructions, the earlier turns, this turn."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     messages = [*system, *history, *turn]
-    if (call_id := _unanswered_call(messages)) is not None:  # OpenAI's words, not chat's
-        raise InvalidRequest(f"No tool output found for function call {call_id[:64]}.", param="input")
     try:
         return ChatCompletionRequest(
             messages=messages,
@@ -317,28 +316,17 @@ def chat_request(
         raise InvalidRequest(f"{param}: {err['msg'].removeprefix('Value error, ')}", param=param) from None
 
 
-def _unanswered_call(messages: list[dict[str, Any]]) -> str | None:
-    """The first function call that an item other than its ``function_call_output`` follows
-    (a previous response that ended in a call, continued with text): chat's check refuses it
-    too, in chat's terms."""
-    open_ids: list[str] = []
-    for m in messages:
-        if m["role"] == "tool":
-            if m.get("tool_call_id") in open_ids:
-                open_ids.remove(m["tool_call_id"])
-            continue
-        if open_ids:
-            return open_ids[0]
-        open_ids = [c["id"] for c in m.get("tool_calls") or () if isinstance(c, dict) and "id" in c]
-    return None
-
-
 # chat's names for what the Responses API calls otherwise, in errors from the chat path
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
 
 
 def rename_param(exc: InvalidRequest) -> InvalidRequest:
-    """An error from the chat path, naming the Responses field (``input``, not ``messages``)."""
+    """An error from the chat path, naming the Responses field (``input``, not ``messages``);
+    a call left unanswered in OpenAI's words for it, not chat's."""
+    if isinstance(exc, UnansweredCall):
+        return InvalidRequest(
+            f"No tool output found for function call {exc.call_ids[0][:64]}.", param="input"
+        )
     exc.param = _PARAMS.get(exc.param or "", exc.param)
     return exc
 

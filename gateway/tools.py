@@ -197,10 +197,23 @@ def _check_tools(tools: tuple[FunctionDef, ...], *, compiled_together: bool) -> 
             )
 
 
+class UnansweredCall(InvalidRequest):
+    """Tool calls of which some have no ``tool`` message before the next message; the
+    Responses API says it in its own words (``responses_api.rename_param``)."""
+
+    def __init__(self, index: int, call_ids: list[str]) -> None:
+        super().__init__(
+            f"messages[{index}]: an assistant message with 'tool_calls' must be followed by tool "
+            f"messages answering each call (unanswered: {', '.join(sorted(call_ids))[:200]})",
+            param="messages",
+        )
+        self.call_ids = call_ids  # in the order of the calls
+
+
 def check_tool_messages(messages: list[Message]) -> None:
     """Tool turns as OpenAI requires them: ``tool_calls`` only on assistant messages, each
     ``tool`` message answering an earlier call by ``tool_call_id``, every call answered."""
-    open_ids: set[str] = set()
+    open_ids: dict[str, None] = {}  # the calls not answered yet, in order
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequest(
@@ -217,16 +230,12 @@ def check_tool_messages(messages: list[Message]) -> None:
                     f"message; no call has the id '{m.tool_call_id[:64]}'",
                     param="messages",
                 )
-            open_ids.discard(m.tool_call_id)
+            open_ids.pop(m.tool_call_id)
             continue
         if open_ids:
-            raise InvalidRequest(
-                f"messages[{i}]: an assistant message with 'tool_calls' must be followed by tool "
-                f"messages answering each call (unanswered: {', '.join(sorted(open_ids))[:200]})",
-                param="messages",
-            )
+            raise UnansweredCall(i, list(open_ids))
         if m.tool_calls:
-            open_ids = {c.id for c in m.tool_calls}
+            open_ids = dict.fromkeys(c.id for c in m.tool_calls)
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
