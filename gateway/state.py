@@ -235,12 +235,13 @@ def with_cpu_cache(settings: GatewaySettings) -> GatewaySettings:
 
 
 def check_model_path(model: str | None) -> None:
-    """``engine.model`` written as a path (``/``, ``./``, ``../``, ``~``) must exist: vLLM
-    takes a missing one for a Hugging Face repo id and says "Repo id must be in the form
-    'repo_name' or 'namespace/repo_name'". A repo id (``google/gemma-3-27b-it``) is vLLM's."""
-    if model is None or not model.startswith(("/", "./", "../", "~")):
+    """``engine.model`` written as a path (``/``, ``./``, ``../``; the settings expand a
+    ``~``) must exist: vLLM takes a missing one for a Hugging Face repo id and says "Repo id
+    must be in the form 'repo_name' or 'namespace/repo_name'". A repo id
+    (``google/gemma-3-27b-it``) is vLLM's."""
+    if model is None or not model.startswith(("/", "./", "../")):
         return
-    if not Path(model).expanduser().exists():
+    if not Path(model).exists():
         raise ConfigError(f"engine.model: no such file or directory: {model}")
 
 

@@ -469,7 +469,7 @@ def test_an_env_var_that_is_not_json_is_named(env: pytest.MonkeyPatch) -> None:
 
 
 def test_a_model_path_under_home_reaches_the_engine_expanded(empty_config: str) -> None:
-    """The start checks ``~/models/x`` as a path (``check_model_path`` expands it), but vLLM
+    """The start checked ``~/models/x`` as a path (expanding it there), but vLLM
     was given it as written, and took it for a Hugging Face repo id."""
     settings = load_settings({"config": empty_config, "engine.model": "~/models/gemma"})
     assert settings.engine.model == str(Path.home() / "models" / "gemma")
