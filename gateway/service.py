@@ -325,7 +325,7 @@ class ChatService:
         template and system prompt, as ``chat`` builds them): ``/tokenize``."""
         if isinstance(text, str):
             return await self._tokenize(lambda: text, add_special_tokens, size=len(text))
-        check_tool_messages(text)
+        check_tool_messages(text, answered_at_end=False)
         messages = _with_system(template_messages(text), route)
         template = route.chat_template
         if uses_tools(NO_TOOLS, text):  # tool turns: the template chat would use

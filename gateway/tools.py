@@ -210,10 +210,15 @@ class UnansweredCall(InvalidRequest):
         self.call_ids = call_ids  # in the order of the calls
 
 
-def check_tool_messages(messages: list[Message]) -> None:
+def check_tool_messages(messages: list[Message], *, answered_at_end: bool = True) -> None:
     """Tool turns as OpenAI requires them: ``tool_calls`` only on assistant messages, each
-    ``tool`` message answering an earlier call by ``tool_call_id``, every call answered."""
+    ``tool`` message answering an earlier call by ``tool_call_id``, every call answered, the
+    last ones too (OpenAI's 400 whether a user message or the end of the list comes first:
+    a model answering after an unanswered call would answer a conversation the caller did not
+    mean). ``answered_at_end=False`` (``/tokenize``, which generates nothing) lets the
+    messages end in calls not answered yet."""
     open_ids: dict[str, None] = {}  # the calls not answered yet, in order
+    called_at = 0  # the index of the assistant message that made them
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequest(
@@ -233,9 +238,12 @@ def check_tool_messages(messages: list[Message]) -> None:
             open_ids.pop(m.tool_call_id)
             continue
         if open_ids:
-            raise UnansweredCall(i, list(open_ids))
+            raise UnansweredCall(called_at, list(open_ids))
         if m.tool_calls:
             open_ids = dict.fromkeys(c.id for c in m.tool_calls)
+            called_at = i
+    if open_ids and answered_at_end:
+        raise UnansweredCall(called_at, list(open_ids))
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:

@@ -145,6 +145,12 @@ async def test_tokenize_counts_chats_prompt_with_tool_turns(serve: Serve) -> Non
         "/tokenize", json={"model": "base", "messages": history[:1] + history[2:]}
     )
     assert orphan.status_code == 400
+    # a conversation ending in the call, before its result: tokenize counts it (nothing is
+    # generated), chat refuses it as OpenAI does
+    pending = await served.http.post("/tokenize", json={"model": "base", "messages": history[:2]})
+    assert pending.status_code == 200 and pending.json()["count"] > 0
+    chat = await served.http.post("/v1/chat/completions", json={"model": "base", "messages": history[:2]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
 
 
 # -- POST /chat honours chat's sampling fields and refuses what its stream cannot carry ------

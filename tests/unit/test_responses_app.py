@@ -295,6 +295,24 @@ def test_a_call_left_unanswered_is_openais_400(http_nolife: TestClient) -> None:
     assert r.json()["error"]["param"] == "input"
 
 
+def test_a_parallel_call_left_without_output_is_openais_400(http_nolife: TestClient) -> None:
+    """Two calls, an output for the first only, at the end of ``input`` (as a litellm or agents
+    turn that answers some of a parallel turn sends it): it was answered as if the second call
+    had not been made."""
+    calls = [
+        {"type": "function_call", "call_id": f"call_{k}", "name": "f", "arguments": "{}"} for k in (1, 2)
+    ]
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    r = http_nolife.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": [{"role": "user", "content": "Use f twice."}, *calls, output]},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "No tool output found for function call call_2."
+    assert r.json()["error"]["param"] == "input"
+
+
 @pytest.mark.parametrize(
     ("query", "param"),
     [

@@ -303,6 +303,41 @@ def test_malformed_tool_turns_are_400_messages(messages: list[dict[str, Any]]) -
     assert info.value.param == "messages"
 
 
+CALL_2 = {
+    "id": "call_2",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+}
+
+
+@pytest.mark.parametrize(
+    ("messages", "unanswered"),
+    [
+        # two parallel calls, one answered: the answer was generated as if the other had none
+        (
+            USER
+            + [
+                {"role": "assistant", "content": None, "tool_calls": [CALL, CALL_2]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+            ],
+            "call_2",
+        ),
+        (USER + [{"role": "assistant", "content": None, "tool_calls": [CALL]}], "call_1"),  # none answered
+    ],
+)
+def test_calls_left_unanswered_at_the_end_are_400_as_openai(
+    messages: list[dict[str, Any]], unanswered: str
+) -> None:
+    """OpenAI refuses a call without its tool message whether a user turn or the end of the
+    list comes next; only the first was a 400 here, the second was answered as if the call
+    had not been made (litellm, agents answering some of a parallel turn)."""
+    with pytest.raises(InvalidRequest) as info:
+        plan_tools(request(messages=messages, tools=[WEATHER]))
+    assert info.value.param == "messages"
+    assert info.value.message.startswith("messages[1]: an assistant message with 'tool_calls'")
+    assert f"(unanswered: {unanswered})" in info.value.message
+
+
 def test_a_tool_round_trip_is_accepted_and_names_the_function() -> None:
     messages = USER + [
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
