@@ -132,8 +132,8 @@ class ApiKey(_Section):
 
 
 class AuthSettings(_Section):
-    """Deny by default: every path needs a key but /health, /ready and /playground (and
-    /metrics with ``public_metrics``)."""
+    """Deny by default: every path needs a key but /health, /ready, /playground and
+    /openapi.json (and /metrics with ``public_metrics``)."""
 
     keys: list[ApiKey] = Field(default_factory=list)
     public_metrics: bool = False
