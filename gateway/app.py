@@ -25,6 +25,7 @@ from gateway.middleware import (
     AuthMiddleware,
     HeaderLimitMiddleware,
     RequestIdMiddleware,
+    cors,
 )
 from gateway.responses import render_error, render_http_error
 from gateway.routes import PUBLIC_PATHS, ROUTES
@@ -42,6 +43,7 @@ def create_app(settings: GatewaySettings, engine: Engine | None = None) -> Starl
             Middleware(RequestIdMiddleware),
             Middleware(AccessLogMiddleware, metrics=gw.metrics),
             Middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes),
+            *cors(settings.server.cors_allow_origins),
             Middleware(AuthMiddleware, keys=settings.auth.keys, public_paths=frozenset(public)),
             Middleware(AdmissionMiddleware, admission=gw.admission, metrics=gw.metrics),
         ],

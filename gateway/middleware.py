@@ -9,6 +9,10 @@ Outermost first:
   that leaves while sending its body is a 499 there, not an error.
 - ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
   HTTP implementation enforces a limit).
+- ``cors``: Starlette's CORS middleware (``server.cors_allow_origins``), so that a browser
+  app can call the API from another origin, as it can OpenAI's and vLLM's. It answers
+  preflights before auth (a preflight carries no key) and puts its headers on every answer,
+  a 401 or 429 too, so the app can read the error.
 - ``AuthMiddleware``: deny by default. Decisions use the raw ASGI ``scope["path"]``, the
   same value the router matches on, never a URL rebuilt from the Host header (vLLM's
   ``--api-key`` was bypassed that way). Keys are compared as SHA-256 digests in constant
@@ -27,6 +31,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -216,6 +222,27 @@ class AuthMiddleware:
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
+
+
+# Response headers a browser app may read besides the CORS-safelisted ones: the OpenAI SDKs
+# read x-request-id, and retry-after to pace their retries of a 429 or 503.
+CORS_EXPOSED_HEADERS = ("x-request-id", "x-adapter", "x-adapter-digest", "retry-after")
+
+
+def cors(origins: list[str]) -> list[Middleware]:
+    """CORS as vLLM's server sets it up: any method and request header, no credentials (keys
+    travel in a header, not in cookies). No middleware at all for no origins."""
+    if not origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=CORS_EXPOSED_HEADERS,
+        )
+    ]
 
 
 def _is_admin_path(path: str) -> bool:

@@ -85,6 +85,23 @@ class ServerSettings(_Section):
     timeout_keep_alive: int = Field(5, ge=1)
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="larger request heads are refused")
     log_prompts: bool = Field(False, description="put prompt text in the access log (off: privacy)")
+    cors_allow_origins: list[str] = Field(
+        ["*"],
+        description="origins a browser app may call from: '*' any (as vLLM's server), [] none (no CORS)",
+    )
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        # A browser's Origin is scheme://host[:port], never with a path or a trailing slash:
+        # an entry written like a URL would match no request, and every call would be refused.
+        for origin in value:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s*]+", origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: write scheme://host[:port] "
+                    "(e.g. https://app.example.com, no path or trailing slash), or '*'"
+                )
+        return value
 
     @field_validator("workers")
     @classmethod

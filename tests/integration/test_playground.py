@@ -137,3 +137,63 @@ def test_playground_streams_and_shows_the_adapter(page: Any, gateway: LiveGatewa
     assert page.inner_text("#answer") == ""
 
     assert problems == []
+
+
+@pytest.fixture(scope="module")
+def app_origin() -> Iterator[str]:
+    """A web app on another origin (another port of this host): a blank page to run fetch from."""
+    import http.server
+    import threading
+
+    class Blank(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<!doctype html><title>app</title>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blank)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+CROSS_ORIGIN_FETCH = """async ([url, key, stream]) => {
+    const r = await fetch(url + '/v1/chat/completions', {
+        method: 'POST',
+        headers: {'Authorization': 'Bearer ' + key, 'Content-Type': 'application/json'},
+        body: JSON.stringify({model: 'shout', messages: [{role: 'user', content: 'Hi'}],
+                              max_tokens: 4, stream: stream}),
+    });
+    return {status: r.status, requestId: r.headers.get('x-request-id'),
+            adapter: r.headers.get('x-adapter'), text: await r.text()};
+}"""
+
+
+def test_a_browser_app_on_another_origin_can_call_the_api(
+    page: Any, gateway: LiveGateway, app_origin: str
+) -> None:
+    """Chromium itself enforces CORS here: its preflight (no key) must pass, and the page must
+    be let read the answer, the exposed headers and a refusal."""
+    app = page.context.new_page()
+    try:
+        app.goto(app_origin + "/")
+        plain = app.evaluate(CROSS_ORIGIN_FETCH, [gateway.url, USER_KEY, False])
+        assert plain["status"] == 200, plain
+        assert plain["requestId"] and plain["adapter"] == "shout"
+        assert '"chat.completion"' in plain["text"]
+        streamed = app.evaluate(CROSS_ORIGIN_FETCH, [gateway.url, USER_KEY, True])
+        assert streamed["status"] == 200 and streamed["text"].rstrip().endswith("data: [DONE]"), streamed
+        refused = app.evaluate(CROSS_ORIGIN_FETCH, [gateway.url, "sk-wrong-key", False])
+        assert refused["status"] == 401 and '"invalid_api_key"' in refused["text"], refused
+    finally:
+        app.close()

@@ -648,3 +648,73 @@ async def test_inter_token_latency_is_measured_per_prompt_stream(
     assert registry.get_sample_value("gateway_inter_token_latency_seconds_count", route) == 4 * len(prompts)
     fast = registry.get_sample_value("gateway_inter_token_latency_seconds_bucket", {**route, "le": "0.04"})
     assert fast == 0
+
+
+# -- CORS --------------------------------------------------------------------------------
+APP_ORIGIN = "https://app.example.com"
+PREFLIGHT = {
+    "Origin": APP_ORIGIN,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+    "Authorization": "",
+}
+
+
+async def test_a_browser_preflight_is_answered_without_a_key(serve: Serve) -> None:
+    """A preflight carries no key; refusing it (401) would keep every browser app out."""
+    served = await serve()
+    r = await served.http.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    allowed = {h.strip() for h in r.headers["access-control-allow-headers"].lower().split(",")}
+    assert {"authorization", "content-type", "x-stainless-os"} <= allowed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_answers_to_a_browser_carry_cors_headers_and_expose_the_request_id(
+    serve: Serve, stream: bool
+) -> None:
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions", json=chat_body(BASE, stream=stream), headers={"Origin": APP_ORIGIN}
+    )
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "*"
+    exposed = {h.strip() for h in r.headers["access-control-expose-headers"].split(",")}
+    assert {"x-request-id", "retry-after"} <= exposed
+    assert r.headers["x-request-id"]
+
+
+async def test_a_refusal_carries_cors_headers_so_the_app_can_read_it(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions", json=chat_body(BASE), headers={"Origin": APP_ORIGIN, **NO_KEY}
+    )
+    assert_openai_error(r, 401, "invalid_api_key")
+    assert r.headers["access-control-allow-origin"] == "*"
+
+
+async def test_listed_origins_only(serve: Serve) -> None:
+    served = await serve(server__cors_allow_origins=[APP_ORIGIN])
+    ok = await served.http.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert (ok.status_code, ok.headers["access-control-allow-origin"]) == (200, APP_ORIGIN)
+    other = await served.http.options(
+        "/v1/chat/completions", headers={**PREFLIGHT, "Origin": "https://evil.test"}
+    )
+    assert other.status_code == 400
+    assert "access-control-allow-origin" not in other.headers
+    r = await served.http.post(
+        "/v1/chat/completions", json=chat_body(BASE), headers={"Origin": "https://evil.test"}
+    )
+    assert r.status_code == 200  # not a browser's business here: it will not let the page read it
+    assert "access-control-allow-origin" not in r.headers
+
+
+async def test_no_origins_no_cors(serve: Serve) -> None:
+    served = await serve(server__cors_allow_origins=[])
+    r = await served.http.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert "access-control-allow-origin" not in r.headers
+    assert_openai_error(r, 401, "invalid_api_key")  # an OPTIONS like any other: no key, no entry
+    r = await served.http.post("/v1/chat/completions", json=chat_body(BASE), headers={"Origin": APP_ORIGIN})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

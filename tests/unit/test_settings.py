@@ -113,6 +113,24 @@ def test_invalid_setting_is_one_line_naming_the_field(
 
 
 @pytest.mark.parametrize(
+    "origin", ["https://app.example.com/", "https://app.example.com/chat", "app.example.com", "*.example.com"]
+)
+def test_a_cors_origin_written_like_a_url_is_refused(empty_config: str, origin: str) -> None:
+    """A browser's Origin has no path or trailing slash: such an entry would match no request."""
+    with pytest.raises(ConfigError, match=r"^server\.cors_allow_origins: .*is not an origin"):
+        load_settings({"config": empty_config, "server.cors_allow_origins": [origin]})
+
+
+def test_cors_origins_default_to_any_and_take_a_list(empty_config: str) -> None:
+    assert load_settings({"config": empty_config}).server.cors_allow_origins == ["*"]
+    listed = ["https://app.example.com", "http://localhost:5173"]
+    assert (
+        load_settings({"config": empty_config, "server.cors_allow_origins": listed}).server.cors_allow_origins
+        == listed
+    )
+
+
+@pytest.mark.parametrize(
     ("entry", "secret"),
     [
         ({"name": "a", "key": "sk-shrt"}, "sk-shrt"),  # below min_length
