@@ -35,7 +35,7 @@ class _Request(BaseModel):
     # refusing them beats silently ignoring them. (Chat requests declare ``tools`` and
     # ``tool_choice`` as fields, completions ``echo``, so only the other endpoints refuse
     # them here; chat refuses ``echo`` itself.)
-    _unsupported = ("tools", "tool_choice", "best_of", "suffix")
+    _unsupported: tuple[str, ...] = ("tools", "tool_choice", "best_of", "suffix")
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:
@@ -385,6 +385,9 @@ _HOUSE_CANNOT = ("messages", "n", "logprobs", "top_logprobs", "tools", "tool_cho
 class HouseChatRequest(_Request):
     """The in-house ``POST /chat`` body. Chat's other fields (``stop``, ``top_p``, ``seed``,
     ``response_format``, ...) go on to the chat request, which honours or refuses them."""
+
+    # Tools are chat completions' (``_HOUSE_CANNOT`` says so), not missing from the gateway.
+    _unsupported = ("best_of", "suffix")
 
     question: str = Field(min_length=1)
     model: str | None = Field(None, max_length=256)

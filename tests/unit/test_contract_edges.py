@@ -185,6 +185,25 @@ async def test_house_chat_refuses_by_name(serve: Serve, name: str, value: Any, p
 
 
 @pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("n", 2),
+        ("logprobs", True),
+    ],
+)
+async def test_house_chat_points_chat_fields_to_chat_completions(serve: Serve, name: str, value: Any) -> None:
+    """What the house stream cannot carry is served by /v1/chat/completions: the 400 says so,
+    not that the gateway lacks it (tools are served there)."""
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi", name: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == name and "/v1/chat/completions" in error["message"], error
+
+
+@pytest.mark.parametrize(
     ("stream", "says"),
     [
         (False, "always streams"),
