@@ -47,6 +47,14 @@ WEATHER = {
     "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMS},
 }
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# A call of get_weather, forced by name (the base model always makes it).
+NAMED_CALL: dict[str, Any] = {
+    "messages": ASK_WEATHER,
+    "tools": [WEATHER],
+    "tool_choice": NAMED,
+    "max_tokens": 60,
+    "temperature": 0,
+}
 CAPITAL = {
     "type": "object",
     "properties": {
@@ -203,15 +211,7 @@ def test_forced_tool_calls_parse_into_litellm_objects(
 
 
 def test_streamed_tool_call_assembles(kw: dict[str, Any], base: str) -> None:
-    args: dict[str, Any] = dict(
-        model=base,
-        messages=ASK_WEATHER,
-        tools=[WEATHER],
-        tool_choice=NAMED,
-        max_tokens=60,
-        temperature=0,
-        **kw,
-    )
+    args = {"model": base, **NAMED_CALL, **kw}
     whole = litellm.completion(**args)
     chunks = list(litellm.completion(stream=True, stream_options={"include_usage": True}, **args))
     fragments = [
@@ -225,15 +225,7 @@ def test_streamed_tool_call_assembles(kw: dict[str, Any], base: str) -> None:
 
 
 def test_tool_round_trip_with_litellms_message_in_the_history(kw: dict[str, Any], base: str) -> None:
-    first = litellm.completion(
-        model=base,
-        messages=ASK_WEATHER,
-        tools=[WEATHER],
-        tool_choice=NAMED,
-        max_tokens=60,
-        temperature=0,
-        **kw,
-    )
+    first = litellm.completion(model=base, **NAMED_CALL, **kw)
     message = first.choices[0].message  # litellm's Message, sent back as users do
     (call,) = message.tool_calls
     result = {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "22 C and sunny"}
