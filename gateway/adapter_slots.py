@@ -24,15 +24,17 @@ learn whether its adapter is warm.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.catalog import Route
+from gateway.embedded import EMBEDDED_DIMS, embedded_model_dir
 from gateway.errors import GatewayError
 from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics
@@ -55,6 +57,76 @@ PIN_WAITING = (
 )
 
 CPU_CACHE_SHARE = 0.1  # of host memory that the adapters' CPU cache may take when sized here
+MIN_GPU_SLOTS = 4  # ``engine.max_loras: auto`` never gives fewer (the gateway's fixed default before it)
+GPU_SLOTS_BYTES = 1 << 30  # the memory that ``auto`` slots may take together, beyond MIN_GPU_SLOTS
+
+
+def gpu_slots(adapters: int, slot_bytes: int | None) -> int:
+    """``engine.max_loras`` for ``auto``: a slot for each adapter the catalog names and one
+    more (for a new version or entry), so that every adapter can run in one batch and
+    nothing is swapped; at most ``GPU_SLOTS_BYTES`` of slots at ``slot_bytes`` each, and
+    never fewer than ``MIN_GPU_SLOTS``. ``slot_bytes`` None (the model's size is unknown):
+    ``MIN_GPU_SLOTS``."""
+    if slot_bytes is None:
+        return MIN_GPU_SLOTS
+    return max(MIN_GPU_SLOTS, min(adapters + 1, GPU_SLOTS_BYTES // max(1, slot_bytes)))
+
+
+def slot_bytes(config: Mapping[str, Any], max_lora_rank: int, dtype: str) -> int | None:
+    """About the memory of one GPU slot: vLLM gives every slot ``max_lora_rank`` columns of
+    A and B for each linear layer of the model (q, k, v, o and the MLP's, per expert),
+    whichever modules the adapters target; two vocabulary-sized matrices are added for
+    models whose embeddings take adapters. From the model's ``config.json`` (a multimodal
+    model's ``text_config``); None when it lacks a size."""
+    c = config.get("text_config") or config
+    try:
+        hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        heads = int(c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
+        experts = int(c.get("num_local_experts") or c.get("num_experts") or 1)
+        vocab = int(c.get("vocab_size") or 0)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = 2 * (hidden + q) + 2 * (hidden + kv)  # q and o, k and v
+    mlp = experts * 3 * (hidden + inter)  # gate, up and down
+    elements = max_lora_rank * (layers * (attention + mlp) + 2 * vocab)
+    return elements * _dtype_bytes(dtype, config)
+
+
+def _dtype_bytes(dtype: str, config: Mapping[str, Any]) -> int:
+    """Bytes of the engine's dtype; ``auto`` is the config's, 4 where it says none (the CPU's)."""
+    if dtype == "auto":
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return 2 if dtype in ("half", "float16", "bfloat16") else 4
+
+
+def model_config(model: str | None, cache_dir: Path) -> dict[str, Any] | None:
+    """The model's ``config.json``: a local folder's, a Hugging Face repo's where its config
+    is in the local cache, or the embedded model's (its dimensions before the first start
+    has prepared it). None when none of those can be read."""
+    if model is None:
+        folder = embedded_model_dir(cache_dir / "models")
+        return _read_json(folder / "config.json") or dict(EMBEDDED_DIMS)
+    if Path(model).is_dir():
+        return _read_json(Path(model) / "config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+    except Exception:  # a name that is not a repo id, or no hub library: nothing to read
+        return None
+    return _read_json(Path(cached)) if isinstance(cached, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def cpu_cache_size(max_loras: int, adapter_dirs: Sequence[Path], host_bytes: int | None) -> int:

@@ -24,6 +24,18 @@ log = logging.getLogger(__name__)
 EMBEDDED_NAME = "gemma-3-270m"
 RECIPE_VERSION = "2"
 _MARKER = ".gateway-prepared"
+# The prepared model's sizes (its config.json), for sizing the engine's adapter slots before
+# the first start has prepared it (``adapter_slots.model_config``).
+EMBEDDED_DIMS = {
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "dtype": "float32",
+}
 TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "configs" / "templates" / "gemma.jinja"
 
 

@@ -135,7 +135,7 @@ class EngineManager:
         }
         args.update({k: v for k, v in optional.items() if v is not None})
         if s.enable_lora:
-            args.update(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
+            args.update(max_loras=s.gpu_slots, max_lora_rank=s.max_lora_rank)
             if s.max_cpu_loras is not None:
                 args["max_cpu_loras"] = s.max_cpu_loras
         args.update(s.engine_args)

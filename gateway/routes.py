@@ -471,7 +471,7 @@ async def admin_adapters(request: Request) -> Response:
             "reloads": catalog.reloads,
             "loaded_at": catalog.table.loaded_at,
             # the engine's adapter capacity: GPU slots (max_loras), its CPU cache (max_cpu_loras)
-            "slots": {"gpu": gw.settings.engine.max_loras, "cpu": gw.settings.engine.max_cpu_loras},
+            "slots": {"gpu": gw.settings.engine.gpu_slots, "cpu": gw.settings.engine.max_cpu_loras},
             "engine_loras": sorted(gw.adapters.resident),
             "live_loras": sorted(r.lora.lora_id for r in catalog.table.all_routes() if r.lora),
             "in_use": {str(k): v for k, v in catalog.in_use().items()},

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -55,7 +55,11 @@ class EngineSettings(_Section):
     trust_remote_code: bool = False
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=dict)
     enable_lora: bool = True
-    max_loras: int = Field(4, ge=1)
+    max_loras: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="adapters in GPU slots at once; auto: one per catalog adapter plus one, at least 4, "
+        "while the slots take at most 1 GiB",
+    )
     max_lora_rank: int = Field(16, ge=1)
     max_cpu_loras: int | None = Field(
         None, ge=1, description="adapters in the engine's CPU cache; left out: sized to the catalog"
@@ -68,6 +72,24 @@ class EngineSettings(_Section):
     )
     cpu_kvcache_space_gib: int = Field(2, ge=1, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to vLLM unchanged")
+
+    @field_validator("max_loras", mode="before")
+    @classmethod
+    def _slots(cls, value: object) -> object:
+        # One message for both branches of the union, not one per branch.
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+            return int(value)
+        raise ValueError("expected a number of GPU slots (1 or more) or 'auto'")
+
+    @property
+    def gpu_slots(self) -> int:
+        """``max_loras`` as a number: ``auto`` is sized before the engine starts
+        (``state.with_adapter_slots``)."""
+        if self.max_loras == "auto":
+            raise RuntimeError("engine.max_loras is 'auto': it is sized before the engine starts")
+        return self.max_loras
 
     @field_validator("model", "tokenizer")
     @classmethod

@@ -16,7 +16,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.adapter_slots import AdapterSlots, cpu_cache_size, host_memory_bytes
+from gateway.adapter_slots import (
+    AdapterSlots,
+    cpu_cache_size,
+    gpu_slots,
+    host_memory_bytes,
+    model_config,
+    slot_bytes,
+)
 from gateway.adapters_check import ModelShapes, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, check_file, load_table
 from gateway.engine import EngineManager
@@ -36,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, engine: Engine | None = None) -> None:
-        settings = self.settings = with_cpu_cache(settings)
+        settings = self.settings = with_adapter_slots(settings)
         self.engine: Engine = engine or EngineManager(settings.engine, settings.cache_dir)
         self.catalog: Catalog | None = None
         self.started = time.time()
@@ -47,7 +54,7 @@ class Gateway:
         self.responses = ResponseStore(
             settings.responses.resolved_path(settings.cache_dir), settings.responses.ttl_s
         )
-        self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.max_loras)
+        self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.gpu_slots)
         self.scheduler = self.adapters.scheduler = lora_scheduler(
             settings, self.adapters.pinned, self.metrics
         )
@@ -213,7 +220,7 @@ def lora_scheduler(
     if limits.lora_scheduling == "off" or not settings.engine.enable_lora:
         return None
     return LoraScheduler(
-        settings.engine.max_loras,
+        settings.engine.gpu_slots,
         quantum_s=limits.lora_quantum_s,
         max_wait_s=limits.max_adapter_wait_s,
         pinned=pinned,
@@ -221,17 +228,35 @@ def lora_scheduler(
     )
 
 
-def with_cpu_cache(settings: GatewaySettings) -> GatewaySettings:
-    """The settings with ``engine.max_cpu_loras`` sized to the catalog when they leave it out
-    (``adapter_slots.cpu_cache_size``); read once, before the engine starts."""
+def with_adapter_slots(settings: GatewaySettings) -> GatewaySettings:
+    """The settings with the engine's adapter capacity sized to the catalog, read once before
+    the engine starts: ``engine.max_loras: auto`` (``adapter_slots.gpu_slots``) and
+    ``engine.max_cpu_loras`` left out (``adapter_slots.cpu_cache_size``)."""
     engine = settings.engine
-    if not engine.enable_lora or engine.max_cpu_loras is not None:
-        return settings
-    dirs = adapter_dirs(settings.catalog, settings.adapters_root)
-    size = cpu_cache_size(engine.max_loras, dirs, host_memory_bytes())
-    room = "room for each" if size >= len(dirs) + engine.max_loras else "capped by host memory"
-    log.info("engine.max_cpu_loras=%d: the catalog names %d adapters (%s)", size, len(dirs), room)
-    return settings.model_copy(update={"engine": engine.model_copy(update={"max_cpu_loras": size})})
+    dirs = adapter_dirs(settings.catalog, settings.adapters_root) if engine.enable_lora else []
+    adapters = len(set(dirs))
+    update: dict[str, int] = {}
+    if engine.max_loras == "auto":
+        config = model_config(engine.model, settings.cache_dir) if engine.enable_lora else None
+        each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
+        update["max_loras"] = gpu_slots(adapters, each)
+        if engine.max_cpu_loras is not None:  # vLLM wants as many in its CPU cache as in slots
+            update["max_loras"] = min(update["max_loras"], engine.max_cpu_loras)
+        if engine.enable_lora:
+            known = f"about {each / 2**20:.0f} MiB each" if each is not None else "size unknown"
+            log.info(
+                "engine.max_loras=%d (auto): the catalog names %d adapters; slots %s",
+                update["max_loras"],
+                adapters,
+                known,
+            )
+    max_loras = update.get("max_loras", engine.max_loras)
+    assert isinstance(max_loras, int)
+    if engine.enable_lora and engine.max_cpu_loras is None:
+        update["max_cpu_loras"] = cache = cpu_cache_size(max_loras, dirs, host_memory_bytes())
+        room = "room for each" if cache >= len(dirs) + max_loras else "capped by host memory"
+        log.info("engine.max_cpu_loras=%d: the catalog names %d adapters (%s)", cache, len(dirs), room)
+    return settings.model_copy(update={"engine": engine.model_copy(update=update)}) if update else settings
 
 
 def check_model_path(model: str | None) -> None:

@@ -9,6 +9,8 @@ import shutil
 import threading
 from pathlib import Path
 
+from gateway.embedded import EMBEDDED_DIMS, embedded_model_dir
+from gateway.settings import load_settings
 from tests.helpers import chat_body, eventually, still_serves
 from tests.integration.conftest import LiveGateway
 
@@ -102,6 +104,7 @@ def test_pinned_preloaded_and_foreign_adapters(gateway: LiveGateway) -> None:
         # The engine's CPU cache was sized to the catalog (3 adapters + max_loras 4): all five
         # stay loaded, where vLLM's default (max_loras) would have evicted one of them.
         assert "engine.max_cpu_loras=7" in gateway.log.read_text()
+        assert "engine.max_loras=4 (auto): the catalog names 3 adapters" in gateway.log.read_text()
         assert admin(gateway)["slots"] == {"gpu": 4, "cpu": 7}
         five = {"shout", "json", "bullets", "warm", "foreign"}
         eventually(
@@ -169,3 +172,12 @@ def test_an_adapter_that_does_not_fit_the_model_is_rejected_by_shape(gateway: Li
         gateway.catalog.write_text(original)
         gateway.admin().post("/admin/adapters/reload")
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_embedded_models_sizes_are_those_of_its_prepared_config(gateway: LiveGateway) -> None:
+    """``engine.max_loras: auto`` sizes the slots from these before the first start has
+    prepared the model; once prepared, its config.json must say the same."""
+    config = json.loads(
+        (embedded_model_dir(load_settings({}).cache_dir / "models") / "config.json").read_text()
+    )
+    assert {key: config.get(key) for key in EMBEDDED_DIMS} == EMBEDDED_DIMS

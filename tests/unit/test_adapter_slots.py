@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
 from tests.helpers import eventually_async
-from tests.unit.conftest import ADMIN, Serve, Served
+from tests.unit.conftest import ADMIN, Serve, Served, make_adapter
 from tests.unit.fakes import FakeEngine
 
 
@@ -301,12 +301,100 @@ def test_the_cpu_cache_stays_within_a_share_of_host_memory(tmp_path: Path) -> No
 
 
 def test_settings_get_a_cpu_cache_sized_to_the_catalog(make_settings: Any) -> None:
-    from gateway.state import with_cpu_cache
+    from gateway.state import with_adapter_slots
 
-    sized = with_cpu_cache(make_settings(engine__max_loras=2))
+    sized = with_adapter_slots(make_settings(engine__max_loras=2))
     assert sized.engine.max_cpu_loras == 2 + 2  # shout and json, plus max_loras
-    assert with_cpu_cache(make_settings(engine__max_cpu_loras=3)).engine.max_cpu_loras == 3
-    assert with_cpu_cache(make_settings(engine__enable_lora=False)).engine.max_cpu_loras is None
+    assert with_adapter_slots(make_settings(engine__max_cpu_loras=3)).engine.max_cpu_loras == 3
+    assert with_adapter_slots(make_settings(engine__enable_lora=False)).engine.max_cpu_loras is None
+
+
+def test_auto_gives_a_gpu_slot_to_each_adapter_and_one_more() -> None:
+    from gateway.adapter_slots import GPU_SLOTS_BYTES, MIN_GPU_SLOTS, gpu_slots
+
+    assert gpu_slots(16, 30 << 20) == 17  # every adapter in one batch, and room for a new version
+    assert gpu_slots(2, 30 << 20) == MIN_GPU_SLOTS == 4
+    assert gpu_slots(100, GPU_SLOTS_BYTES // 40) == 40  # within the memory share
+    assert gpu_slots(100, GPU_SLOTS_BYTES) == 4  # a large model: the floor
+    assert gpu_slots(100, None) == 4  # the model's size unknown: the floor
+
+
+def test_a_slots_bytes_are_the_models_linear_layers_at_the_rank(tmp_path: Path) -> None:
+    """Against a model's own weights: per slot, rank x (in + out) of each linear layer, plus
+    two vocabulary-sized matrices."""
+    import numpy
+    from safetensors.numpy import save_file
+
+    from gateway.adapter_slots import slot_bytes
+    from gateway.adapters_check import model_shapes
+
+    config = {
+        "hidden_size": 8,
+        "intermediate_size": 24,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 6,
+        "vocab_size": 50,
+    }
+    h, i, q, kv = 8, 24, 2 * 6, 6
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    shapes |= {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    tensors = {"model.embed_tokens.weight": numpy.zeros((50, h), dtype=numpy.float32)}
+    for layer in range(3):
+        group = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+        for name, shape in shapes.items():
+            key = f"model.layers.{layer}.{group.get(name, 'mlp')}.{name}.weight"
+            tensors[key] = numpy.zeros(shape, dtype=numpy.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = model_shapes(tmp_path)
+    assert model is not None
+    linear = sum(o + n for key, (o, n) in model.shapes.items() if "embed" not in key)
+    assert slot_bytes(config, 16, "float32") == 16 * (linear + 2 * 50) * 4
+    assert slot_bytes(config, 16, "bfloat16") == 16 * (linear + 2 * 50) * 2
+    assert slot_bytes(config | {"dtype": "bfloat16"}, 16, "auto") == 16 * (linear + 2 * 50) * 2
+    assert slot_bytes({"text_config": config}, 8, "half") == 8 * (linear + 2 * 50) * 2  # multimodal
+    assert slot_bytes({"hidden_size": 8}, 16, "auto") is None
+
+
+def test_auto_slots_from_the_catalog_and_the_models_size(make_settings: Any, tmp_path: Path) -> None:
+    from gateway.state import with_adapter_slots
+
+    assert with_adapter_slots(make_settings()).engine.max_loras == 4  # 2 adapters: the floor
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(
+        "routes:\n" + "".join(f"  - {{name: r{k}, adapter: {('shout', 'json')[k % 2]}}}\n" for k in range(6))
+    )
+    assert with_adapter_slots(make_settings()).engine.max_loras == 4  # six routes, two adapters
+    root = tmp_path / "adapters"
+    for k in range(8):
+        make_adapter(root, f"a{k}")
+    catalog.write_text("routes:\n" + "".join(f"  - {{name: a{k}, adapter: a{k}}}\n" for k in range(8)))
+    sized = with_adapter_slots(make_settings())
+    assert (sized.engine.max_loras, sized.engine.max_cpu_loras) == (9, 8 + 9)
+    assert with_adapter_slots(make_settings(engine__max_loras=2)).engine.max_loras == 2  # as set
+    assert (
+        with_adapter_slots(make_settings(engine__max_cpu_loras=5)).engine.max_loras == 5
+    )  # vLLM: <= the cache
+    assert with_adapter_slots(make_settings(engine__enable_lora=False)).engine.max_loras == 4
+    big = tmp_path / "big"
+    big.mkdir()
+    dims = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80}
+    dims |= {"num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+    (big / "config.json").write_text(json.dumps(dims | {"dtype": "bfloat16"}))
+    assert (
+        with_adapter_slots(make_settings(engine__model=str(big))).engine.max_loras == 4
+    )  # about 400 MiB a slot
+    small = with_adapter_slots(make_settings(engine__model=str(big), engine__max_lora_rank=1))
+    assert small.engine.max_loras == 9  # 25 MiB a slot at rank 1: every adapter fits
+
+
+def test_the_embedded_models_sizes_before_it_is_prepared(tmp_path: Path) -> None:
+    from gateway.adapter_slots import model_config
+    from gateway.embedded import EMBEDDED_DIMS
+
+    assert model_config(None, tmp_path) == EMBEDDED_DIMS  # nothing prepared in this cache
+    assert model_config(str(tmp_path / "missing"), tmp_path) is None  # not a folder, not in the hub cache
 
 
 def test_catalog_adapter_folders_skip_presets_and_bad_paths(tmp_path: Path) -> None:

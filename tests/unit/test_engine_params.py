@@ -292,7 +292,7 @@ def test_secret_engine_args_are_not_logged(
     monkeypatch.setattr(vllm.engine.arg_utils, "AsyncEngineArgs", lambda **args: given.update(args))
     monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *args, **kwargs: "engine")
     settings = EngineSettings(
-        model="/models/m", engine_args={"hf_token": "hf_secret_0123", "enforce_eager": True}
+        model="/models/m", max_loras=4, engine_args={"hf_token": "hf_secret_0123", "enforce_eager": True}
     )
     with caplog.at_level("INFO", logger="gateway.engine"):
         assert EngineManager(settings, Path("."))._create_engine() == "engine"

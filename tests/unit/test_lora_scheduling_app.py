@@ -11,7 +11,7 @@ from typing import Any
 from gateway.engine import EngineManager
 from gateway.settings import EngineSettings
 from tests.helpers import eventually_async
-from tests.unit.conftest import ADMIN, USER_KEY, Serve
+from tests.unit.conftest import ADMIN, USER_KEY, Serve, make_adapter
 from tests.unit.fakes import FakeEngine
 
 
@@ -75,6 +75,26 @@ async def test_routes_on_one_adapter_are_booked_under_their_own_names(serve: Ser
     metrics = (await served.http.get("/metrics", headers=ADMIN)).text
     for route in ("shout", "shout-strict", "json"):
         assert f'gateway_adapter_wait_seconds_count{{route="{route}"}} 1.0' in metrics
+
+
+async def test_auto_slots_let_every_catalog_adapter_run_at_once(serve: Serve, tmp_path: Path) -> None:
+    """``engine.max_loras: auto`` (the default) gives each of the catalog's five adapters a
+    slot and one more: five requests for five adapters all reach the engine, none waits."""
+    for k in range(5):
+        make_adapter(tmp_path / "adapters", f"a{k}")
+    (tmp_path / "adapters.yaml").write_text(
+        "routes:\n" + "".join(f"  - {{name: a{k}, adapter: a{k}}}\n" for k in range(5))
+    )
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate))
+    assert (await served.http.get("/admin/adapters", headers=ADMIN)).json()["slots"]["gpu"] == 6
+    tasks = [
+        asyncio.create_task(served.http.post("/v1/chat/completions", json=body(f"a{k}"))) for k in range(5)
+    ]
+    await eventually_async(lambda: len(served.engine.calls) == 5, 5, "all five in the engine")
+    assert served.gw.scheduler is not None and served.gw.scheduler.queued == 0
+    gate.set()
+    assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 5
 
 
 async def test_a_client_that_leaves_while_waiting_leaves_no_slot_behind(serve: Serve) -> None:

@@ -57,7 +57,7 @@ def test_yaml_beats_defaults(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
     s = load_settings({"config": str(yaml_file)})
     assert s.engine.max_num_seqs == 7
     assert s.engine.dtype == "bfloat16"
-    assert s.engine.max_loras == 4  # untouched default survives a partial section
+    assert s.engine.max_loras == "auto"  # untouched default survives a partial section
 
 
 def test_env_beats_yaml(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
@@ -85,6 +85,20 @@ def test_cli_beats_env(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
     assert s.engine.max_num_seqs == 3
     assert s.engine.engine_args == {"enforce_eager": True}
     assert s.server.port == 9001
+
+
+@pytest.mark.parametrize(("flag", "slots"), [("auto", "auto"), ("6", 6)])
+def test_max_loras_takes_a_number_or_auto(empty_config: str, flag: str, slots: object) -> None:
+    args = build_parser().parse_args(["serve", "--config", empty_config, "--max-loras", flag])
+    assert load_settings(_overrides(args)).engine.max_loras == slots
+
+
+@pytest.mark.parametrize("value", ["many", 0, True, "-1"])
+def test_max_loras_that_is_no_slot_count_is_one_line(empty_config: str, value: object) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^engine\.max_loras: .*a number of GPU slots \(1 or more\) or 'auto'"
+    ):
+        load_settings({"config": empty_config, "engine.max_loras": value})
 
 
 def test_relative_paths_are_anchored_at_the_project(env: pytest.MonkeyPatch, yaml_file: Path) -> None:
