@@ -149,6 +149,26 @@ def test_lora16_goals_fail_on_a_slow_point_or_a_worse_adapter() -> None:
     assert worse[1] is False and "1 of 2 worse" in worse[2] and "a1 lora16 c=256" in worse[2]
 
 
+def test_the_lora16_ratio_is_not_judged_when_the_gateway_sets_its_own_slots() -> None:
+    """The goal gives both servers the mix's max_loras: a run that gives the gateway its own
+    (``--gateway-set engine.max_loras=auto``) is reported, not judged."""
+    points = [
+        _point("vllm", "lora16", 64, 100.0, {"a0": 50.0}),
+        _point("gateway", "lora16", 64, 220.0, {"a0": 40.0}),
+    ]
+    result = _result(points)
+    result["meta"] |= {"gateway_set": ["engine.max_loras=auto"]}
+    goal = lora_goals(result, report.compare(result), gpu=True)[0]
+    assert goal[1] is None
+    assert goal[2] == (
+        "worst 2.200 (lora16 c=64); not judged: the run set engine.max_loras=auto, the goal's mix fixes "
+        "max_loras on both servers at the profile's"
+    )
+    result["meta"] |= {"gateway_set": [], "max_loras_set": 17}
+    goal = lora_goals(result, report.compare(result), gpu=True)[0]
+    assert goal[1] is None and "the run set --max-loras 17 on both servers, the goal's" in goal[2]
+
+
 def test_a_starved_adapter_fails_its_goal_and_shows_in_the_table() -> None:
     points = [
         _point("vllm", "lora16z", 64, 100.0, {"a0": 50.0, "a1": 60.0}),
