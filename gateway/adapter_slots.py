@@ -61,15 +61,16 @@ MIN_GPU_SLOTS = 4  # ``engine.max_loras: auto`` never gives fewer (the gateway's
 GPU_SLOTS_BYTES = 1 << 30  # the memory that ``auto`` slots may take together, beyond MIN_GPU_SLOTS
 
 
-def gpu_slots(adapters: int, slot_bytes: int | None) -> int:
+def gpu_slots(adapters: int, slot_bytes: int | None, max_num_seqs: int) -> int:
     """``engine.max_loras`` for ``auto``: a slot for each adapter the catalog names and one
     more (for a new version or entry), so that every adapter can run in one batch and
-    nothing is swapped; at most ``GPU_SLOTS_BYTES`` of slots at ``slot_bytes`` each, and
-    never fewer than ``MIN_GPU_SLOTS``. ``slot_bytes`` None (the model's size is unknown):
+    nothing is swapped; no more than a batch's sequences (``max_num_seqs``: one adapter
+    each), at most ``GPU_SLOTS_BYTES`` of slots at ``slot_bytes`` each, and never fewer
+    than ``MIN_GPU_SLOTS``. ``slot_bytes`` None (the model's size is unknown):
     ``MIN_GPU_SLOTS``."""
     if slot_bytes is None:
         return MIN_GPU_SLOTS
-    return max(MIN_GPU_SLOTS, min(adapters + 1, GPU_SLOTS_BYTES // max(1, slot_bytes)))
+    return max(MIN_GPU_SLOTS, min(adapters + 1, max_num_seqs, GPU_SLOTS_BYTES // max(1, slot_bytes)))
 
 
 def slot_bytes(config: Mapping[str, Any], max_lora_rank: int, dtype: str) -> int | None:

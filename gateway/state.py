@@ -239,7 +239,7 @@ def with_adapter_slots(settings: GatewaySettings) -> GatewaySettings:
     if engine.max_loras == "auto":
         config = model_config(engine.model, settings.cache_dir) if engine.enable_lora else None
         each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
-        update["max_loras"] = gpu_slots(adapters, each)
+        update["max_loras"] = gpu_slots(adapters, each, engine.max_num_seqs)
         if engine.max_cpu_loras is not None:  # vLLM wants as many in its CPU cache as in slots
             update["max_loras"] = min(update["max_loras"], engine.max_cpu_loras)
         if engine.enable_lora:

@@ -312,11 +312,13 @@ def test_settings_get_a_cpu_cache_sized_to_the_catalog(make_settings: Any) -> No
 def test_auto_gives_a_gpu_slot_to_each_adapter_and_one_more() -> None:
     from gateway.adapter_slots import GPU_SLOTS_BYTES, MIN_GPU_SLOTS, gpu_slots
 
-    assert gpu_slots(16, 30 << 20) == 17  # every adapter in one batch, and room for a new version
-    assert gpu_slots(2, 30 << 20) == MIN_GPU_SLOTS == 4
-    assert gpu_slots(100, GPU_SLOTS_BYTES // 40) == 40  # within the memory share
-    assert gpu_slots(100, GPU_SLOTS_BYTES) == 4  # a large model: the floor
-    assert gpu_slots(100, None) == 4  # the model's size unknown: the floor
+    assert gpu_slots(16, 30 << 20, 256) == 17  # every adapter in one batch, and room for a new version
+    assert gpu_slots(2, 30 << 20, 256) == MIN_GPU_SLOTS == 4
+    assert gpu_slots(100, GPU_SLOTS_BYTES // 40, 256) == 40  # within the memory share
+    assert gpu_slots(100, GPU_SLOTS_BYTES, 256) == 4  # a large model: the floor
+    assert gpu_slots(100, None, 256) == 4  # the model's size unknown: the floor
+    assert gpu_slots(16, 30 << 20, 8) == 8  # a batch of 8 sequences runs at most 8 adapters
+    assert gpu_slots(16, 30 << 20, 2) == 4  # the floor still
 
 
 def test_a_slots_bytes_are_the_models_linear_layers_at_the_rank(tmp_path: Path) -> None:
