@@ -17,8 +17,9 @@ Outermost first:
   same value the router matches on, never a URL rebuilt from the Host header (vLLM's
   ``--api-key`` was bypassed that way). Keys are compared as SHA-256 digests in constant
   time, all keys every time.
-- ``AdmissionMiddleware``: a bound on requests in flight (running + queued) and per key;
-  above it a fast 429 with ``Retry-After``. While draining, new work gets 503.
+- ``AdmissionMiddleware``: a bound on sequences in flight (running + queued) and per key;
+  above it a fast 429 with ``Retry-After``. A request holds one from its headers on and
+  its prompts x ``n`` once its body is read. While draining, new work gets 503.
 """
 
 from __future__ import annotations
@@ -250,9 +251,20 @@ def _is_admin_path(path: str) -> bool:
     return re.sub(r"/+", "/", path).lower().startswith("/admin")
 
 
+@dataclass(slots=True)
+class Place:
+    """What one admitted request holds of the in-flight bounds, in sequences: one from its
+    headers on, all of them (its prompts x ``n``) once its body is read (``Admission.grow``)."""
+
+    principal: Principal | None
+    size: int = 1
+
+
 @dataclass
 class Admission:
-    """Requests in flight, in total and per key; shared with the app for drain and status."""
+    """Sequences in flight (running + queued), in total and per key; shared with the app for
+    drain and status. A sequence is what the engine runs: a request counts its prompts x
+    ``n``, so a batch of 256 prompts with ``n=8`` cannot pass the bounds as one request."""
 
     max_inflight: int
     retry_after_s: int
@@ -268,27 +280,74 @@ class Admission:
         )
 
     def admit(self, principal: Principal | None) -> GatewayError | None:
+        """One sequence for a new request, before its body is read."""
         if self.draining:
             return self.shutting_down()
         retry = {"Retry-After": str(self.retry_after_s)}
         if self.inflight >= self.max_inflight:
             self.rejected += 1
             return RateLimited(
-                f"the gateway is at capacity ({self.max_inflight} requests in flight)", headers=retry
+                f"the gateway is at capacity ({self.max_inflight} sequences in flight)", headers=retry
             )
         limit = principal.max_concurrency if principal is not None else None
         if principal is not None and limit is not None and self.per_key.get(principal.name, 0) >= limit:
             self.rejected += 1
-            return RateLimited(f"this key has {limit} requests in flight already", headers=retry)
-        self.inflight += 1
-        if principal is not None:
-            self.per_key[principal.name] = self.per_key.get(principal.name, 0) + 1
+            return RateLimited(f"this key has {limit} sequences in flight already", headers=retry)
+        self._add(principal, 1)
         return None
 
-    def release(self, principal: Principal | None) -> None:
-        self.inflight -= 1
+    def grow(self, place: Place, size: int, what: str) -> GatewayError | None:
+        """Hold ``size`` sequences for an admitted request (``what``: how they add up, for the
+        message). A request larger than a bound by itself is OpenAI's "Request too large": a
+        429 with no ``Retry-After``, as waiting would not help; one that would fit later, a 429
+        with it. Refused, the request keeps what it held (the middleware releases it)."""
+        more = size - place.size
+        if more <= 0:
+            return None
+        principal = place.principal
+        limit = principal.max_concurrency if principal is not None else None
+        refused = None
+        if size > self.max_inflight:
+            refused = RateLimited(
+                f"Request too large for this gateway: {size} sequences ({what}), more than the "
+                f"{self.max_inflight} it runs or queues at once. Send fewer prompts or a lower n."
+            )
+        elif limit is not None and size > limit:
+            refused = RateLimited(
+                f"Request too large for this key: {size} sequences ({what}), more than its limit of "
+                f"{limit} in flight. Send fewer prompts or a lower n."
+            )
+        else:
+            retry = {"Retry-After": str(self.retry_after_s)}
+            used = self.per_key.get(principal.name, 0) if principal is not None else 0
+            if self.inflight + more > self.max_inflight:
+                refused = RateLimited(
+                    f"the gateway is at capacity: this request needs {size} sequences ({what}), "
+                    f"{self.max_inflight - self.inflight + place.size} are free",
+                    headers=retry,
+                )
+            elif limit is not None and used + more > limit:
+                refused = RateLimited(
+                    f"this key may have {limit} sequences in flight and has {used - place.size}; "
+                    f"this request needs {size} ({what})",
+                    headers=retry,
+                )
+        if refused is not None:
+            self.rejected += 1
+            return refused
+        self._add(principal, more)
+        place.size = size
+        return None
+
+    def _add(self, principal: Principal | None, count: int) -> None:
+        self.inflight += count
         if principal is not None:
-            left = self.per_key[principal.name] - 1
+            self.per_key[principal.name] = self.per_key.get(principal.name, 0) + count
+
+    def release(self, principal: Principal | None, size: int = 1) -> None:
+        self.inflight -= size
+        if principal is not None:
+            left = self.per_key[principal.name] - size
             if left:
                 self.per_key[principal.name] = left
             else:
@@ -305,16 +364,18 @@ class AdmissionMiddleware:
         if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
             await self.app(scope, receive, send)
             return
-        principal = scope.get("state", {}).get("principal")
+        state = scope.setdefault("state", {})
+        principal = state.get("principal")
         refused = self.admission.admit(principal)
         if refused is not None:
             if refused.status_code == 429:
                 self.metrics.rejected.inc()
             await send_error(send, refused)
             return
+        place = state["place"] = Place(principal)  # the route grows it to the request's sequences
         self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.admission.release(principal)
+            self.admission.release(principal, place.size)
             self.metrics.inflight.dec()

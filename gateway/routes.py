@@ -25,7 +25,7 @@ from gateway.errors import (
     PermissionDenied,
 )
 from gateway.metrics import RequestRecord
-from gateway.middleware import Principal
+from gateway.middleware import Place, Principal
 from gateway.openapi import openapi_json
 from gateway.playground import playground
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, model_card
@@ -284,8 +284,26 @@ async def _generate(
     except BaseException:
         lease.release()
         raise
+    _hold_sequences(request, gen)
     gen.caller = principal  # its share and priority when LoRA requests queue
     return gen
+
+
+def _hold_sequences(request: Request, gen: Generation) -> None:
+    """The request's place in admission grows to the sequences the engine will run (its
+    prompts x ``n``), or the request is refused (429) before any of them starts."""
+    place: Place | None = request.scope.get("state", {}).get("place")
+    if place is None:
+        return
+    n, size = gen.sampling.n, gen.num_choices
+    prompts = size // n
+    what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+    gw = _gateway(request)
+    refused = gw.admission.grow(place, size, what)
+    if refused is not None:
+        gen.close()
+        gw.metrics.rejected.inc()
+        raise refused
 
 
 def _track(

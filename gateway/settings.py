@@ -145,7 +145,9 @@ class ApiKey(_Section):
     key: str | None = Field(None, min_length=8, exclude=True, repr=False)
     routes: list[str] | None = Field(None, description="routes this key may use (name or alias); none = all")
     admin: bool = False
-    max_concurrency: int | None = Field(None, ge=1, description="requests at once for this key")
+    max_concurrency: int | None = Field(
+        None, ge=1, description="sequences at once for this key (a request counts its prompts x n)"
+    )
     weight: float = Field(1.0, gt=0, le=1000, description="share of contended LoRA slots (fair queuing)")
     priority: int = Field(
         0, ge=-1000, le=1000, description="lower goes first, as vLLM's priority: LoRA queue, engine"
@@ -209,7 +211,10 @@ class LimitSettings(_Section):
     max_logprobs: int = Field(20, ge=0)
     default_max_tokens: int = Field(256, gt=0)
     max_inflight: int | None = Field(
-        None, ge=1, description="running + queued requests; above it, 429 (default: 4 x engine.max_num_seqs)"
+        None,
+        ge=1,
+        description="running + queued sequences (a request counts its prompts x n); above it, 429 "
+        "(default: 4 x engine.max_num_seqs)",
     )
     retry_after_s: int = Field(1, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time for in-flight requests")

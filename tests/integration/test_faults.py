@@ -95,6 +95,29 @@ def test_per_key_concurrency_limit_is_429_with_retry_after(gateway: LiveGateway)
         assert ok.status_code == 200
 
 
+def test_n_counts_against_the_keys_concurrency(gateway: LiveGateway) -> None:
+    """A request counts the sequences it puts in the engine (prompts x n): for a key allowed
+    one, n=2 or two prompts are "Request too large", before the engine hears of them."""
+    headers = {"Authorization": f"Bearer {SINGLE_KEY}"}
+    two_choices = chat_body("base", "hi", max_tokens=1, n=2, temperature=1.0)
+    two_prompts = {"model": "base", "prompt": ["a", "b"], "max_tokens": 1}
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as http:
+        for path, body, what in [
+            ("/v1/chat/completions", two_choices, "2 sequences (n=2)"),
+            ("/v1/completions", two_prompts, "2 sequences (2 prompts x n=1)"),
+        ]:
+            r = http.post(path, json=body)
+            assert r.status_code == 429, r.text
+            error = r.json()["error"]
+            assert error["code"] == "rate_limit_exceeded" and "retry-after" not in r.headers
+            assert error["message"].startswith(f"Request too large for this key: {what}")
+        assert unfinished(gateway) == 0 and inflight(gateway) == 0
+        ok = http.post("/v1/chat/completions", json={**two_choices, "n": 1})
+        assert ok.status_code == 200
+    both = gateway.client().post("/v1/completions", json=two_prompts)  # a key with no limit
+    assert both.status_code == 200 and len(both.json()["choices"]) == 2
+
+
 def test_oversized_headers_are_refused(gateway: LiveGateway) -> None:
     r = gateway.client().get("/v1/models", headers={"x-junk": "a" * 100_000})
     assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"

@@ -15,7 +15,13 @@ import httpx
 import pytest
 
 from gateway.errors import EngineFailed
-from tests.helpers import assert_openai_error, chat_body, eventually_async, still_serves_async
+from tests.helpers import (
+    assert_openai_error,
+    chat_body,
+    completion_body,
+    eventually_async,
+    still_serves_async,
+)
 from tests.unit.conftest import (
     ADMIN,
     ADMIN_KEY,
@@ -368,6 +374,116 @@ async def test_a_key_above_its_max_concurrency_gets_429_and_others_do_not(serve:
         "/v1/chat/completions", json=chat_body("base", max_tokens=2), headers=single
     )
     assert again.status_code == 200  # the key's slot came back
+
+
+FOUR_KEY = "sk-test-four-at-a-time"
+FOUR = {"Authorization": f"Bearer {FOUR_KEY}"}
+# The user's key (no limit of its own) and one that may have four sequences in flight.
+FOUR_KEYS = [{"name": "user", "key": USER_KEY}, {"name": "four", "key": FOUR_KEY, "max_concurrency": 4}]
+
+
+def post_soon(
+    served: Served, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> asyncio.Task[httpx.Response]:
+    return asyncio.ensure_future(served.http.post(path, json=body, headers=headers))
+
+
+async def test_a_request_holds_its_prompts_times_n_against_its_key(serve: Serve) -> None:
+    """Two prompts with n=2 are four sequences in the engine: the key's four, not one."""
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), auth__keys=FOUR_KEYS)
+    batch = completion_body("base", ["a", "b"], n=2, temperature=1.0, max_tokens=2)
+    held_batch = post_soon(served, "/v1/completions", batch, FOUR)
+    await eventually_async(lambda: served.engine.running == 2, 5, "both prompts in the engine")
+    assert served.gw.admission.per_key == {"four": 4} and served.gw.admission.inflight == 4
+    one_more = await soon(served.http.post("/v1/chat/completions", json=chat_body("base"), headers=FOUR))
+    err = assert_openai_error(one_more, 429, "rate_limit_exceeded")
+    assert err["message"] == "this key has 4 sequences in flight already"
+    assert one_more.headers["retry-after"] == "1"
+    others = await held(served, 1)  # another key is not held back
+    gate.set()
+    assert [(await soon(t)).status_code for t in [held_batch, *others]] == [200, 200]
+    assert served.gw.admission.per_key == {} and served.gw.admission.inflight == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "what", "fits"),
+    [
+        ("/v1/chat/completions", chat_body("base", n=5, temperature=1.0), "5 sequences (n=5)", {"n": 4}),
+        (
+            "/v1/completions",
+            completion_body("base", ["a", "b", "c"], n=2, temperature=1.0),
+            "6 sequences (3 prompts x n=2)",
+            {"n": 1},
+        ),
+        (
+            "/v1/completions",
+            completion_body("base", [[5, 6]] * 5),
+            "5 sequences (5 prompts x n=1)",
+            {"prompt": [[5, 6]] * 4},
+        ),
+    ],
+)
+async def test_a_request_larger_than_its_keys_limit_is_too_large(
+    serve: Serve, path: str, body: dict[str, Any], what: str, fits: dict[str, Any]
+) -> None:
+    """OpenAI's "Request too large": a 429 that waiting would not cure, so no Retry-After."""
+    served = await serve(auth__keys=FOUR_KEYS)
+    r = await served.http.post(path, json=body, headers=FOUR)
+    err = assert_openai_error(r, 429, "rate_limit_exceeded")
+    assert err["message"] == (
+        f"Request too large for this key: {what}, more than its limit of 4 in flight. "
+        "Send fewer prompts or a lower n."
+    )
+    assert "retry-after" not in r.headers
+    assert served.engine.calls == [] and served.gw.admission.inflight == 0
+    assert served.gw.admission.rejected == 1
+    assert served.gw.metrics.registry.get_sample_value("gateway_admission_rejected_total") == 1
+    assert (await served.http.post(path, json={**body, **fits}, headers=FOUR)).status_code == 200
+    assert (await served.http.post(path, json=body)).status_code == 200  # a key with no limit
+
+
+async def test_a_request_that_fits_later_gets_a_429_with_retry_after(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), auth__keys=FOUR_KEYS)
+    three = post_soon(served, "/v1/chat/completions", chat_body("base", n=3, temperature=1.0), FOUR)
+    await eventually_async(lambda: served.gw.admission.per_key == {"four": 3}, 5, "three sequences held")
+    two = chat_body("base", n=2, temperature=1.0)
+    r = await soon(served.http.post("/v1/chat/completions", json=two, headers=FOUR))
+    err = assert_openai_error(r, 429, "rate_limit_exceeded")
+    assert err["message"] == "this key may have 4 sequences in flight and has 3; this request needs 2 (n=2)"
+    assert r.headers["retry-after"] == "1"
+    assert served.gw.admission.per_key == {"four": 3}  # the refused request let go of its place
+    gate.set()
+    assert (await soon(three)).status_code == 200
+    assert (await served.http.post("/v1/chat/completions", json=two, headers=FOUR)).status_code == 200
+
+
+async def test_the_gateway_bound_counts_sequences_too(serve: Serve) -> None:
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), limits__max_inflight=4)
+    five = completion_body("base", ["a"] * 5, max_tokens=2)
+    too_large = await soon(served.http.post("/v1/completions", json=five))
+    err = assert_openai_error(too_large, 429, "rate_limit_exceeded")
+    assert err["message"] == (
+        "Request too large for this gateway: 5 sequences (5 prompts x n=1), more than the 4 it "
+        "runs or queues at once. Send fewer prompts or a lower n."
+    )
+    assert "retry-after" not in too_large.headers
+    running = await held(served, 2)
+    three = completion_body("base", ["a"] * 3, max_tokens=2)
+    full = await soon(served.http.post("/v1/completions", json=three))
+    err = assert_openai_error(full, 429, "rate_limit_exceeded")
+    assert (
+        err["message"]
+        == "the gateway is at capacity: this request needs 3 sequences (3 prompts x n=1), 2 are free"
+    )
+    assert full.headers["retry-after"] == "1"
+    assert served.engine.running == 2 and served.gw.admission.inflight == 2
+    gate.set()
+    assert [(await soon(t)).status_code for t in running] == [200, 200]
+    assert (await served.http.post("/v1/completions", json=three)).status_code == 200
+    assert served.gw.admission.inflight == 0
 
 
 async def test_a_failed_request_releases_its_slot(serve: Serve) -> None:
