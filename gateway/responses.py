@@ -1,6 +1,7 @@
 """Transport helpers for the handlers: bodies in, responses and errors out.
 
-- ``read_json``: a bounded body, parsed and validated into a request model (400/408/413).
+- ``read_json``: a bounded body, parsed and validated into a request model (400/408/413);
+  a large one in a thread, off the event loop.
 - ``SSEResponse``: a stream that stops the generation as soon as the client leaves.
 - ``collect_unless_gone``: a whole response, aborted if the client leaves first.
 - ``render_error`` / ``render_http_error``: every error as OpenAI's error JSON.
@@ -14,6 +15,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -65,6 +67,24 @@ async def read_json(request: Request, model: type[M], limits: LimitSettings, any
         raise RequestTimeout(
             f"the request body did not arrive within {limits.body_timeout_s:g} s (limits.body_timeout_s)"
         ) from None
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(_PARSE, _parse, body, model)
+    return _parse(body, model)
+
+
+# Parsing and validating a 2 MiB body took 19 ms for 16,000 messages, 77 ms for 45,000 content
+# parts and 71 ms for 256 prompts of token ids (2 CPU cores): on the event loop, a stall of
+# every open stream. Above this size it runs in a thread of its own. json.loads and pydantic's
+# core hold the GIL while they run, but pydantic calls back into Python validators (one per
+# message), and between those the loop gets the GIL within the 5 ms switch interval: the
+# loop's longest stall during those requests fell from 36, 56 and 118 ms to 13, 39 and 40 ms.
+# One thread: a burst of large bodies is parsed one at a time, not by a pool that grows a
+# malloc arena per thread; small bodies skip the hop (it costs more than their parse).
+PARSE_OFF_LOOP_BYTES = 64 * 1024
+_PARSE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse-body")
+
+
+def _parse(body: bytearray, model: type[M]) -> M:
     try:
         # Decoded strictly first: json.loads(bytes) decodes with "surrogatepass", so a lone
         # surrogate sent as raw (CESU-8) bytes would pass through and fail in the tokenizer.

@@ -4,16 +4,17 @@ when it stalls), parsed (400 for bad JSON or not an object) and validated (400 n
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from starlette.requests import Request
 from starlette.types import Message
 
 from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from gateway.protocol import ChatCompletionRequest
-from gateway.responses import read_json
+from gateway.responses import PARSE_OFF_LOOP_BYTES, read_json
 from gateway.settings import LimitSettings
 
 
@@ -155,3 +156,69 @@ async def test_a_body_that_stalls_is_408_within_the_body_timeout() -> None:
     with pytest.raises(RequestTimeout) as info:
         await asyncio.wait_for(read_json(Request(scope, receive), Small, limits(100, 0.05)), 5)
     assert info.value.status_code == 408 and "limits.body_timeout_s" in info.value.message
+
+
+# -- large bodies: parsed off the event loop ------------------------------------------------
+def waiting_model(parsing: threading.Event, loop_ran: threading.Event, waited: list[bool]) -> type[BaseModel]:
+    """A model whose validation waits (up to 5 s) for the event loop to run a task meanwhile:
+    on the event loop's own thread it never can."""
+
+    class Waits(BaseModel):
+        name: str
+
+        @field_validator("name")
+        @classmethod
+        def _wait_for_the_loop(cls, name: str) -> str:
+            parsing.set()
+            waited.append(loop_ran.wait(5))
+            return name
+
+    return Waits
+
+
+async def test_a_large_body_is_parsed_while_the_event_loop_runs() -> None:
+    """Other requests' streams go on while a large body is parsed and validated."""
+    parsing, loop_ran, waited = threading.Event(), threading.Event(), []
+
+    async def another_stream() -> None:
+        while not parsing.is_set():
+            await asyncio.sleep(0.001)
+        loop_ran.set()
+
+    other = asyncio.ensure_future(another_stream())
+    name = "x" * PARSE_OFF_LOOP_BYTES
+    req, _ = request([b'{"name": "', name.encode(), b'"}'])
+    parsed = await read_json(req, waiting_model(parsing, loop_ran, waited), limits(2 * PARSE_OFF_LOOP_BYTES))
+    await other
+    assert waited == [True] and parsed.name == name  # type: ignore[attr-defined]
+
+
+async def test_a_large_bodys_errors_are_the_same() -> None:
+    padding = b" " * PARSE_OFF_LOOP_BYTES
+    for body, message in [
+        (b'{"name": 5}' + padding, "name: Input should be a valid string"),
+        (b"[1]" + padding, "request body must be a JSON object"),
+        (b'{"name": "\\ud800"}' + padding, "a string holds a lone UTF-16 surrogate (not valid Unicode)"),
+    ]:
+        req, _ = request([body])
+        with pytest.raises(InvalidRequest) as info:
+            await read_json(req, Small, limits(2 * PARSE_OFF_LOOP_BYTES))
+        assert info.value.message == message
+
+
+async def test_a_small_body_is_parsed_on_the_loop() -> None:
+    """A thread hop costs more than a small body's parse: it stays on the loop's thread."""
+    threads = []
+
+    class Where(BaseModel):
+        name: str
+
+        @field_validator("name")
+        @classmethod
+        def _thread(cls, name: str) -> str:
+            threads.append(threading.current_thread())
+            return name
+
+    req, _ = request([b'{"name": "a"}'])
+    assert (await read_json(req, Where, limits(100))).name == "a"
+    assert threads == [threading.current_thread()]
