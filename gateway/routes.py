@@ -157,7 +157,9 @@ async def create_response(request: Request) -> Response:
     if body.previous_response_id is not None:
         history = (await _previous(request, body.previous_response_id)).history
     chat = chat_request(body, history, turn)
-    limit = constraint(body.text.format)
+    limit = await gw.service.check_schemas(
+        lambda: constraint(body.text.format), body.text.format.type != "text"
+    )
     try:
         gen = await _generate(
             request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit)

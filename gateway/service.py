@@ -64,6 +64,13 @@ T = TypeVar("T")
 # so that a burst of them never holds the default executor (the response store's reads).
 _CONSTRAINT_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-check")
 
+# A request's own checks of its schemas: the meta-schema check (``structured.schema_problem``)
+# is pure Python at about 0.2 ms a sub-schema, 1 s on the event loop for a 5,000-node schema
+# seen for the first time (repeats are cached), every stream stalled meanwhile. In a thread the
+# loop takes the GIL back within the 5 ms switch interval. Threads of their own: behind the
+# grammar backend's compiles (``_CONSTRAINT_CHECKS``) a tools request would wait its turn.
+_SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="schema-check")
+
 # ``/v1/responses``' structured output, and where its schema is: the grammar backend's
 # refusals of it name the schema, as the meta-schema check of it does (``responses_api``).
 _TEXT_FORMAT = "text.format"
@@ -249,7 +256,9 @@ class ChatService:
         """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``'
         ``text.format``)."""
         route = lease.route
-        plan = plan_tools(request)
+        plan, shape = await self.check_schemas(
+            lambda: _chat_shape(request, route, constraint), _carries_schemas(request)
+        )
         messages = _with_system(template_messages(request.messages), route)
         template, tools = route.chat_template, plan.template_tools()
         if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
@@ -259,12 +268,6 @@ class ChatService:
             request.add_special_tokens,
             size=_size(messages),
         )
-        if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
-            _check_forced_calls(plan, request, route, constraint, _TEXT_FORMAT)
-            shape: tuple[Constraint | None, str] = (plan.constraint, "tools")
-        else:
-            shape = _constraint(request, route, constraint, _TEXT_FORMAT)
-            shape = (_or_calls(plan, route, *shape), shape[1])
         limit, logprobs = request.token_limit, request.num_logprobs
         limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         gen = await self._start(
@@ -306,6 +309,7 @@ class ChatService:
             many = sum(len(ids) for p, ids in pairs if not isinstance(p, str)) > _THREAD_DECODE_IDS
             decoded = await self.with_tokenizer(texts) if many else texts(self._engine.tokenizer)
             echo = [Echo(text, first, prompt_only) for text, first in decoded]
+        shape = await self.check_schemas(lambda: _constraint(request, lease.route), _carries_schemas(request))
         return await self._start(
             request,
             lease,
@@ -313,7 +317,7 @@ class ChatService:
             1 if prompt_only else request.token_limit,
             request.num_logprobs,
             "cmpl",
-            _constraint(request, lease.route),
+            shape,
             more_prompts=prompts[1:],
             echo=echo,
         )
@@ -341,6 +345,13 @@ class ChatService:
         if len(ids) > _THREAD_DECODE_IDS:
             return await self.with_tokenizer(lambda tokenizer: str(tokenizer.decode(ids)))
         return str(self._engine.tokenizer.decode(ids))
+
+    async def check_schemas(self, check: Callable[[], T], carries_schemas: bool = True) -> T:
+        """``check()``, a request's checks of its JSON schemas (tools' ``parameters``, a
+        ``response_format``), in a thread when it carries any (``_SCHEMA_CHECKS``)."""
+        if not carries_schemas:
+            return check()
+        return await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, check)
 
     async def with_tokenizer(self, call: Callable[[Any], T]) -> T:
         """``call(tokenizer)`` in the tokenizing thread, off the event loop."""
@@ -550,6 +561,27 @@ def _sampling(
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
         constraint=constraint,
+    )
+
+
+def _chat_shape(
+    request: ChatCompletionRequest, route: Route, given: Constraint | None
+) -> tuple[ToolPlan, tuple[Constraint | None, str]]:
+    """How the answer is shaped: the tools' plan, and the constraint with the field it came
+    from (``given``: ``/v1/responses``' ``text.format``). Checks every schema of the request."""
+    plan = plan_tools(request)
+    if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
+        _check_forced_calls(plan, request, route, given, _TEXT_FORMAT)
+        return plan, (plan.constraint, "tools")
+    shape, param = _constraint(request, route, given, _TEXT_FORMAT)
+    return plan, (_or_calls(plan, route, shape, param), param)
+
+
+def _carries_schemas(request: SamplingFields) -> bool:
+    """Whether the request has schemas of its own to check (tools, a structured output)."""
+    extra = request.model_extra or {}
+    return bool(getattr(request, "tools", None)) or any(
+        extra.get(name) is not None for name in ("response_format", "structured_outputs")
     )
 
 

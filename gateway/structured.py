@@ -178,23 +178,25 @@ def schema_problem(schema: dict[str, Any]) -> tuple[str, str] | None:
 
 _CACHED_SCHEMA_CHARS = 64 * 1024
 
-# What a schema may cost. The meta-schema check runs on the event loop at about 0.5 ms a
-# sub-schema (2 CPU cores), and the engine compiles each new grammar on a thread of its
-# own (one per two cores, shared by every structured request; a compile cannot be stopped,
-# not even by an abort), where xgrammar's time and memory grow with the square of the
-# properties one object may leave out: 200 optional properties took 0.76 s, 400 took
-# 2.6 s, and a 0.9 MB schema of 20,000 held the engine's only compile thread for 14
-# minutes (every other structured request waited) until, at 9.5 GB, the OOM killer ended
-# the engine. Legitimate schemas (pydantic models, tools) stay far below both bounds.
+# What a schema may cost. The meta-schema check costs about 0.2 to 0.5 ms a sub-schema
+# (2 CPU cores; 1 s for 5,000), in a thread beside the event loop (``service``), and the
+# engine compiles each new grammar on a thread of its own (one per two cores, shared by
+# every structured request; a compile cannot be stopped, not even by an abort), where
+# xgrammar's time and memory grow with the square of the properties one object may leave
+# out: 200 optional properties took 0.76 s, 400 took 2.6 s, and a 0.9 MB schema of 20,000
+# held the engine's only compile thread for 14 minutes (every other structured request
+# waited) until, at 9.5 GB, the OOM killer ended the engine. Legitimate schemas (pydantic
+# models, tools) stay far below both bounds.
 MAX_SCHEMA_NODES = 5000
 MAX_OPTIONAL_PROPERTIES = 128  # in one object; more objects share the square of it
 # Regexes (a schema's ``pattern``s and ``patternProperties`` keys, together; or a
 # ``structured_outputs.regex``) are compiled three times: by Python's ``re`` in the
-# meta-schema check (``format: regex``) and by xgrammar's converter, both on the event loop,
-# then by the engine's grammar compiler. None of them is bounded in time: a 1.5 MB
-# alternation held the event loop for 5 to 9 s (every stream stalled), and the engine's
-# compile time grows with the square of its size (80,000 alternatives: 4.7 s). 16 KiB
-# costs 10 to 30 ms; patterns a schema or a regex constraint needs are far shorter.
+# meta-schema check (``format: regex``) and by xgrammar's converter, both in threads beside
+# the event loop (``service``), then by the engine's grammar compiler. None of them is
+# bounded in time: a 1.5 MB alternation held the event loop for 5 to 9 s (every stream
+# stalled), and the engine's compile time grows with the square of its size (80,000
+# alternatives: 4.7 s). 16 KiB costs 10 to 30 ms; patterns a schema or a regex constraint
+# needs are far shorter.
 MAX_PATTERN_CHARS = 16 * 1024
 # A ``structured_outputs.grammar`` is bounded as a regex; a ``choice`` list and a schema's
 # ``enum`` / ``const`` values become one alternation each, which xgrammar compiles in time

@@ -7,6 +7,8 @@ the fake engine says it is ready. The SDK talks to it through starlette's TestCl
 from __future__ import annotations
 
 import sqlite3
+import threading
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +16,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from gateway import structured
 from gateway.app import create_app
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import InvalidRequest
@@ -525,6 +528,25 @@ def test_text_format_json_schema_constrains_decoding(http_nolife: TestClient, en
         model="base-model", input="Hi", text={"format": {"type": "json_object"}}
     )
     assert engine.calls[1][1].constraint == Constraint("json_object")
+
+
+def test_a_text_format_schema_is_checked_off_the_event_loop(
+    http_nolife: TestClient, engine: ReadyEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As chat's schemas: in the schema-check threads, where the loop goes on meanwhile."""
+    threads: list[str] = []
+    real = structured._meta_check
+
+    def check(schema: dict[str, Any]) -> tuple[str, str] | None:
+        threads.append(threading.current_thread().name)
+        return real(schema)
+
+    monkeypatch.setattr(structured, "_meta_check", check)
+    schema = {"type": "object", "properties": {uuid.uuid4().hex: {"type": "integer"}}}  # not cached
+    fmt: Any = {"type": "json_schema", "name": "thing", "schema": schema}
+    sdk(http_nolife).responses.create(model="base-model", input="Hi", text={"format": fmt})
+    assert engine.calls[0][1].constraint == Constraint("json", schema)
+    assert len(threads) == 1 and threads[0].startswith("schema-check")
 
 
 def test_invalid_json_schema_is_400(http_nolife: TestClient) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gateway import structured
 from gateway.catalog import Catalog, LoraIds, Route, RoutingTable, load_table
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
@@ -135,3 +140,89 @@ async def test_a_constraint_is_checked_off_the_event_loop() -> None:
     assert max(gaps) < 0.25, f"the event loop stalled for {max(gaps):.2f} s"
     # Without a constraint, nothing to convert: prepared on the loop, no thread hop.
     await (await service.chat(chat(), catalog.acquire(None))).collect()
+
+
+class LoopWatch:
+    """Stands in for the meta-schema check: it waits (up to 5 s) for a task on the event loop
+    to run meanwhile, which it never can if the check runs on the loop's own thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.checking, self.loop_ran = threading.Event(), threading.Event()
+        self.waited: list[bool] = []
+        self._real = structured._meta_check
+        monkeypatch.setattr(structured, "_meta_check", self._check)
+
+    def _check(self, schema: dict[str, Any]) -> tuple[str, str] | None:
+        self.checking.set()
+        self.waited.append(self.loop_ran.wait(5))
+        return self._real(schema)
+
+    async def another_stream(self) -> None:
+        while not self.checking.is_set():
+            await asyncio.sleep(0.001)
+        self.loop_ran.set()
+
+
+def unseen_schema() -> dict[str, Any]:
+    """A schema no earlier check cached (the check runs again for it)."""
+    return {"type": "object", "properties": {uuid.uuid4().hex: {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        lambda: {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": unseen_schema()},
+            }
+        },
+        lambda: {"structured_outputs": {"json": unseen_schema()}},
+        lambda: {"tools": [{"type": "function", "function": {"name": "f", "parameters": unseen_schema()}}]},
+        lambda: {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": unseen_schema()}}],
+            "tool_choice": "required",
+        },
+    ],
+)
+async def test_a_chats_schemas_are_checked_while_the_event_loop_runs(
+    monkeypatch: pytest.MonkeyPatch, fields: Callable[[], dict[str, Any]]
+) -> None:
+    """A schema seen for the first time costs its meta-schema check (1 s for 5,000 nodes):
+    other requests' streams go on meanwhile."""
+    service, catalog, engine = setup()
+    watch = LoopWatch(monkeypatch)
+    other = asyncio.ensure_future(watch.another_stream())
+    gen = await service.chat(chat(**fields()), catalog.acquire(None))
+    await other
+    await gen.collect()
+    assert watch.waited == [True] and len(engine.calls) == 1
+
+
+async def test_a_completions_schema_is_checked_while_the_event_loop_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service, catalog, engine = setup()
+    watch = LoopWatch(monkeypatch)
+    other = asyncio.ensure_future(watch.another_stream())
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": "Hi",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": unseen_schema()},
+            },
+        }
+    )
+    gen = await service.complete(request, catalog.acquire(None))
+    await other
+    await gen.collect()
+    assert watch.waited == [True] and len(engine.calls) == 1
+
+
+async def test_a_bad_schema_is_still_a_400_naming_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    service, catalog, _ = setup()
+    bad = {"type": "object", "properties": {uuid.uuid4().hex: {"type": "strin"}}}
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(chat(structured_outputs={"json": bad}), catalog.acquire(None))
+    assert info.value.param == "structured_outputs" and "invalid JSON schema" in info.value.message
