@@ -298,31 +298,32 @@ class Admission:
 
     def grow(self, place: Place, size: int, what: str) -> GatewayError | None:
         """Hold ``size`` sequences for an admitted request (``what``: how they add up, for the
-        message). A request larger than a bound by itself is OpenAI's "Request too large": a
-        429 with no ``Retry-After``, as waiting would not help; one that would fit later, a 429
-        with it. Refused, the request keeps what it held (the middleware releases it)."""
+        message). A request larger than the gateway's bound holds all of it: it runs when
+        nothing else does (a batch of 256 prompts stays possible with the defaults). One larger
+        than its key's limit by itself is OpenAI's "Request too large": a 429 with no
+        ``Retry-After``, as waiting would not help; one that would fit later, a 429 with it.
+        Refused, the request keeps what it held (the middleware releases it)."""
+        wanted, size = size, min(size, self.max_inflight)
         more = size - place.size
         if more <= 0:
             return None
         principal = place.principal
         limit = principal.max_concurrency if principal is not None else None
         refused = None
-        if size > self.max_inflight:
+        if limit is not None and wanted > limit:
             refused = RateLimited(
-                f"Request too large for this gateway: {size} sequences ({what}), more than the "
-                f"{self.max_inflight} it runs or queues at once. Send fewer prompts or a lower n."
-            )
-        elif limit is not None and size > limit:
-            refused = RateLimited(
-                f"Request too large for this key: {size} sequences ({what}), more than its limit of "
+                f"Request too large for this key: {wanted} sequences ({what}), more than its limit of "
                 f"{limit} in flight. Send fewer prompts or a lower n."
             )
         else:
             retry = {"Retry-After": str(self.retry_after_s)}
             used = self.per_key.get(principal.name, 0) if principal is not None else 0
             if self.inflight + more > self.max_inflight:
+                needs = f"{size} sequences ({what})"
+                if wanted > size:
+                    needs = f"all {size} sequences the gateway runs or queues at once ({what})"
                 refused = RateLimited(
-                    f"the gateway is at capacity: this request needs {size} sequences ({what}), "
+                    f"the gateway is at capacity: this request needs {needs}, "
                     f"{self.max_inflight - self.inflight + place.size} are free",
                     headers=retry,
                 )

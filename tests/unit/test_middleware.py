@@ -462,14 +462,6 @@ async def test_a_request_that_fits_later_gets_a_429_with_retry_after(serve: Serv
 async def test_the_gateway_bound_counts_sequences_too(serve: Serve) -> None:
     gate = asyncio.Event()
     served = await serve(FakeEngine(gate=gate), limits__max_inflight=4)
-    five = completion_body("base", ["a"] * 5, max_tokens=2)
-    too_large = await soon(served.http.post("/v1/completions", json=five))
-    err = assert_openai_error(too_large, 429, "rate_limit_exceeded")
-    assert err["message"] == (
-        "Request too large for this gateway: 5 sequences (5 prompts x n=1), more than the 4 it "
-        "runs or queues at once. Send fewer prompts or a lower n."
-    )
-    assert "retry-after" not in too_large.headers
     running = await held(served, 2)
     three = completion_body("base", ["a"] * 3, max_tokens=2)
     full = await soon(served.http.post("/v1/completions", json=three))
@@ -479,10 +471,32 @@ async def test_the_gateway_bound_counts_sequences_too(serve: Serve) -> None:
         == "the gateway is at capacity: this request needs 3 sequences (3 prompts x n=1), 2 are free"
     )
     assert full.headers["retry-after"] == "1"
+    five = completion_body("base", ["a"] * 5, max_tokens=2)
+    err = assert_openai_error(await soon(served.http.post("/v1/completions", json=five)), 429)
+    assert err["message"] == (
+        "the gateway is at capacity: this request needs all 4 sequences the gateway runs or queues "
+        "at once (5 prompts x n=1), 2 are free"
+    )
     assert served.engine.running == 2 and served.gw.admission.inflight == 2
     gate.set()
     assert [(await soon(t)).status_code for t in running] == [200, 200]
     assert (await served.http.post("/v1/completions", json=three)).status_code == 200
+    assert served.gw.admission.inflight == 0
+
+
+async def test_a_request_larger_than_the_gateway_bound_runs_alone(serve: Serve) -> None:
+    """More prompts than the bound: it holds the whole bound, so it runs when nothing else
+    does (256 prompts stay possible with the defaults) and nothing else starts meanwhile."""
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), limits__max_inflight=4)
+    body = completion_body("base", ["a"] * 5, max_tokens=2)
+    five = post_soon(served, "/v1/completions", body, {"Authorization": f"Bearer {USER_KEY}"})
+    await eventually_async(lambda: served.gw.admission.inflight == 4, 5, "the whole bound held")
+    r = await soon(served.http.post("/v1/chat/completions", json=chat_body("base")))
+    assert_openai_error(r, 429, "rate_limit_exceeded")
+    gate.set()
+    done = await soon(five)
+    assert done.status_code == 200 and len(done.json()["choices"]) == 5
     assert served.gw.admission.inflight == 0
 
 
