@@ -202,9 +202,32 @@ class GatewayMetrics:
     def render(self, queued: Mapping[str, int] | None = None) -> bytes:
         """Ours, then vLLM's with the router view (``router_view``). ``queued``: route -> LoRA
         requests waiting in the gateway for their adapter's turn (None: it schedules none)."""
-        engine = list(REGISTRY.collect())
+        engine = [newest_lora_info(family) for family in REGISTRY.collect()]
         engine += router_view(engine, queued or {}, time.time())
         return generate_latest(self.registry) + generate_latest(_Fixed(engine))
+
+
+LORA_INFO = "vllm:lora_requests_info"
+
+
+def newest_lora_info(family: Metric) -> Metric:
+    """``vllm:lora_requests_info`` with its newest sample only; other families as they are.
+    vLLM sets it to the time under labels listing the adapters running and waiting, and never
+    removes a label set: every combination of adapters seen, and every ``name@digest`` that a
+    hot swap runs under, stayed a series for good (93 after 36 hot swaps in an 18-minute soak,
+    one more every few swaps). Only the newest is the engine's state, the one LoRA-affinity
+    routers read. The others are dropped from vLLM's gauge too, when it can be found, so its
+    memory and each scrape's work stay bounded."""
+    if family.name != LORA_INFO or len(family.samples) < 2:
+        return family
+    newest = max(family.samples, key=lambda s: s.value)
+    gauge = getattr(REGISTRY, "_names_to_collectors", {}).get(LORA_INFO)
+    if isinstance(gauge, Gauge):
+        gauge.clear()  # vLLM updates it on this event loop too: nothing changed since the collect
+        gauge.labels(**newest.labels).set(newest.value)
+    kept = Metric(family.name, family.documentation, family.type, family.unit)
+    kept.samples = [newest]
+    return kept
 
 
 def router_view(engine: list[Metric], queued: Mapping[str, int], now: float) -> list[Metric]:

@@ -113,3 +113,30 @@ async def test_the_router_view_is_there_with_lora_scheduling_off(
         'gateway_lora_requests_info{max_lora="2",running_lora_adapters="shout",waiting_lora_adapters="json"}'
         in metrics
     )
+
+
+async def test_metrics_keep_only_the_newest_of_vllms_lora_info(
+    serve: Serve, engine_gauges: tuple[Gauge, Gauge]
+) -> None:
+    """vLLM sets vllm:lora_requests_info to the time under labels that list the adapters
+    running and waiting, and never removes a label set: each combination of adapters, and each
+    ``name@digest`` a hot swap runs under, stayed a series for good (93 after 36 hot swaps in
+    18 minutes of soak, still growing). Only the newest is the engine's state, which routers
+    read; the others go, from the page and from the gauge."""
+    _, info = engine_gauges
+    for step in range(50):
+        info.labels(f"shout@{step:012x}", "json", "2").set(float(step))
+    info.labels("shout", "", "2").set(100.0)
+    served = await serve(FakeEngine())
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    lines = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert lines == [
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="shout",waiting_lora_adapters=""} 100.0'
+    ]
+    assert len(list(info.collect())[0].samples) == 1  # forgotten, not only hidden
+    info.labels("json", "shout", "2").set(101.0)  # vLLM's next step
+    metrics = (await served.http.get("/metrics", headers=ADMIN)).text
+    assert [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")] == [
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="json",waiting_lora_adapters="shout"} 101.0'
+    ]
+    assert 'gateway_lora_requests_info{max_lora="2",running_lora_adapters="json"' in metrics
