@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,13 +26,8 @@ from gateway.settings import GatewaySettings, load_settings, unknown_env
 # way; not that one, which may hold a key for OpenAI itself, not to be sent to a gateway).
 API_KEY_ENV = "GATEWAY_API_KEY"
 
-
-def _int_or_auto(value: str) -> int | str:
-    return value if value == "auto" else int(value)
-
-
 # flag -> dotted settings key; each is also settable via GATEWAY_... env vars and YAML
-_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+_FLAGS: list[tuple[str, str, type, str]] = [
     ("--host", "server.host", str, "address to bind"),
     ("--port", "server.port", int, "port to bind"),
     ("--workers", "server.workers", int, "uvicorn workers (must be 1: one engine per process)"),
@@ -45,7 +39,7 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--max-num-seqs", "engine.max_num_seqs", int, "concurrent sequences in the engine"),
     ("--gpu-memory-utilization", "engine.gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--tensor-parallel-size", "engine.tensor_parallel_size", int, "GPUs per engine"),
-    ("--max-loras", "engine.max_loras", _int_or_auto, "adapters in GPU slots at once, or auto"),
+    ("--max-loras", "engine.max_loras", str, "adapters in GPU slots at once, or auto"),
     ("--max-lora-rank", "engine.max_lora_rank", int, "largest adapter rank accepted"),
     ("--max-cpu-loras", "engine.max_cpu_loras", int, "adapters in host memory (default: catalog+max-loras)"),
     ("--load-format", "engine.load_format", str, "vLLM load format (e.g. dummy)"),
