@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gateway.adapter_slots import (
+    MIN_GPU_SLOTS,
     AdapterSlots,
     cpu_cache_size,
     gpu_slots,
@@ -233,30 +234,34 @@ def with_adapter_slots(settings: GatewaySettings) -> GatewaySettings:
     the engine starts: ``engine.max_loras: auto`` (``adapter_slots.gpu_slots``) and
     ``engine.max_cpu_loras`` left out (``adapter_slots.cpu_cache_size``)."""
     engine = settings.engine
-    dirs = adapter_dirs(settings.catalog, settings.adapters_root) if engine.enable_lora else []
-    adapters = len(set(dirs))
-    update: dict[str, int] = {}
-    if engine.max_loras == "auto":
-        config = model_config(engine.model, settings.cache_dir) if engine.enable_lora else None
-        each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
-        update["max_loras"] = gpu_slots(adapters, each, engine.max_num_seqs)
-        if engine.max_cpu_loras is not None:  # vLLM wants as many in its CPU cache as in slots
-            update["max_loras"] = min(update["max_loras"], engine.max_cpu_loras)
-        if engine.enable_lora:
-            known = f"about {each / 2**20:.0f} MiB each" if each is not None else "size unknown"
-            log.info(
-                "engine.max_loras=%d (auto): the catalog names %d adapters; slots %s",
-                update["max_loras"],
-                adapters,
-                known,
-            )
-    max_loras = update.get("max_loras", engine.max_loras)
-    assert isinstance(max_loras, int)
-    if engine.enable_lora and engine.max_cpu_loras is None:
-        update["max_cpu_loras"] = cache = cpu_cache_size(max_loras, dirs, host_memory_bytes())
-        room = "room for each" if cache >= len(dirs) + max_loras else "capped by host memory"
+    if not engine.enable_lora:  # no adapters: ``auto`` only needs to be a number
+        slots = engine.max_loras if isinstance(engine.max_loras, int) else MIN_GPU_SLOTS
+        return settings.model_copy(update={"engine": engine.model_copy(update={"max_loras": slots})})
+    dirs = adapter_dirs(settings.catalog, settings.adapters_root)
+    update = {
+        "max_loras": engine.max_loras if isinstance(engine.max_loras, int) else auto_slots(settings, dirs)
+    }
+    if engine.max_cpu_loras is None:
+        update["max_cpu_loras"] = cache = cpu_cache_size(update["max_loras"], dirs, host_memory_bytes())
+        room = "room for each" if cache >= len(dirs) + update["max_loras"] else "capped by host memory"
         log.info("engine.max_cpu_loras=%d: the catalog names %d adapters (%s)", cache, len(dirs), room)
-    return settings.model_copy(update={"engine": engine.model_copy(update=update)}) if update else settings
+    return settings.model_copy(update={"engine": engine.model_copy(update=update)})
+
+
+def auto_slots(settings: GatewaySettings, dirs: list[Path]) -> int:
+    """``engine.max_loras: auto`` for the catalog's adapter folders ``dirs``; an explicit
+    ``max_cpu_loras`` caps it (vLLM wants as many in its CPU cache as in slots)."""
+    engine = settings.engine
+    config = model_config(engine.model, settings.cache_dir)
+    each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
+    slots = gpu_slots(len(set(dirs)), each, engine.max_num_seqs)
+    if engine.max_cpu_loras is not None:
+        slots = min(slots, engine.max_cpu_loras)
+    known = f"about {each / 2**20:.0f} MiB each" if each is not None else "size unknown"
+    log.info(
+        "engine.max_loras=%d (auto): the catalog names %d adapters; slots %s", slots, len(set(dirs)), known
+    )
+    return slots
 
 
 def check_model_path(model: str | None) -> None:
