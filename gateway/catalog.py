@@ -245,8 +245,8 @@ def check_file(catalog_path: Path) -> None:
 
 
 def adapter_dirs(catalog_path: Path, adapters_root: Path) -> list[Path]:
-    """The adapter folders the catalog file names, as far as they can be read now (for
-    sizing the engine before the catalog is loaded; ``load_table`` reports what is wrong)."""
+    """The adapter folders the catalog file names, each once, as far as they can be read now
+    (for sizing the engine before the catalog is loaded; ``load_table`` reports what is wrong)."""
     try:
         spec = _read_spec(catalog_path)
     except ConfigError:
@@ -259,7 +259,7 @@ def adapter_dirs(catalog_path: Path, adapters_root: Path) -> list[Path]:
                 dirs.append(safe_adapter_path(raw, adapters_root))
             except ConfigError:
                 continue
-    return dirs
+    return list(dict.fromkeys(dirs))  # two routes may serve one folder
 
 
 def _build_route(

@@ -254,13 +254,11 @@ def auto_slots(settings: GatewaySettings, dirs: list[Path]) -> int:
     engine = settings.engine
     config = model_config(engine.model, settings.cache_dir)
     each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
-    slots = gpu_slots(len(set(dirs)), each, engine.max_num_seqs)
+    slots = gpu_slots(len(dirs), each, engine.max_num_seqs)
     if engine.max_cpu_loras is not None:
         slots = min(slots, engine.max_cpu_loras)
     known = f"about {each / 2**20:.0f} MiB each" if each is not None else "size unknown"
-    log.info(
-        "engine.max_loras=%d (auto): the catalog names %d adapters; slots %s", slots, len(set(dirs)), known
-    )
+    log.info("engine.max_loras=%d (auto): the catalog names %d adapters; slots %s", slots, len(dirs), known)
     return slots
 
 

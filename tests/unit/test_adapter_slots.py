@@ -399,7 +399,7 @@ def test_the_embedded_models_sizes_before_it_is_prepared(tmp_path: Path) -> None
     assert model_config(str(tmp_path / "missing"), tmp_path) is None  # not a folder, not in the hub cache
 
 
-def test_catalog_adapter_folders_skip_presets_and_bad_paths(tmp_path: Path) -> None:
+def test_catalog_adapter_folders_once_without_presets_and_bad_paths(tmp_path: Path) -> None:
     from gateway.catalog import adapter_dirs
 
     root = tmp_path / "adapters"
@@ -408,6 +408,7 @@ def test_catalog_adapter_folders_skip_presets_and_bad_paths(tmp_path: Path) -> N
     catalog.write_text(
         "routes:\n"
         "  - {name: shout, adapter: shout}\n"
+        "  - {name: shout-again, adapter: ./shout}\n"
         "  - {name: gone, adapter: gone}\n"
         "  - {name: out, adapter: ../elsewhere}\n"
         "  - {name: concise, system_prompt: Be brief.}\n"
