@@ -12,6 +12,7 @@ request if the consumer stops early. A LoRA request first waits for its adapter'
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -38,7 +39,7 @@ from gateway.protocol import (
 from gateway.read_ahead import ReadAhead
 from gateway.settings import LimitSettings
 from gateway.structured import choose, describe, request_constraint
-from gateway.tokenizing import PromptTokenizer
+from gateway.tokenizing import PromptTokenizer, longest_token_chars
 from gateway.tools import (
     NO_TOOLS,
     ToolPlan,
@@ -59,6 +60,8 @@ _THREAD_TOKENIZE_CHARS = 256
 # Decoding is cheaper per token (1,000,000 ids: 0.33 s); below this many, on the loop.
 _THREAD_DECODE_IDS = 4096
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # The grammar backend's checks of new constraints, off the event loop: threads of their own,
 # so that a burst of them never holds the default executor (the response store's reads).
@@ -249,6 +252,24 @@ class ChatService:
         self._limits = limits
         self._scheduler = scheduler  # None: LoRA requests go straight to the engine
         self._prompts = PromptTokenizer(lambda: engine.tokenizer)
+        self._token_chars: int | None = None  # most characters a token stands for (``measure_tokenizer``)
+
+    async def measure_tokenizer(self) -> None:
+        """Once the engine's tokenizer is there (at start): the most characters one token
+        stands for, so that a prompt too long for the context by that bound is refused
+        without tokenizing it (``_fits``)."""
+        try:
+            self._token_chars = await self.with_tokenizer(longest_token_chars)
+        except Exception:  # a tokenizer of a shape not foreseen: no bound, as for a slow one
+            log.warning("could not read the tokenizer's vocabulary for a length bound", exc_info=True)
+        if self._token_chars is None:
+            log.info("no bound on the characters a token stands for: every prompt is tokenized whole")
+        else:
+            log.info(
+                "prompts over %d characters are refused before tokenizing (a token stands for %d at most)",
+                self._token_chars * (self._engine.max_model_len - 1),
+                self._token_chars,
+            )
 
     async def chat(
         self, request: ChatCompletionRequest, lease: Lease, constraint: Constraint | None = None
@@ -264,7 +285,7 @@ class ChatService:
         if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
             template = template or tool_template()
         prompt_ids = await self._tokenize(
-            lambda: self._chat_text(messages, template, tools),
+            lambda: self._fits(self._chat_text(messages, template, tools), "messages"),
             request.add_special_tokens,
             size=_size(messages),
         )
@@ -365,6 +386,7 @@ class ChatService:
                     f"token id {max(prompt)} is out of vocabulary (ids must be below {vocab})", param="prompt"
                 )
             return list(prompt)  # ints already (``CompletionRequest``); a copy at C speed
+        self._fits(prompt, "prompt")
         return await self._tokenize(lambda: prompt, add_special_tokens, size=len(prompt))
 
     async def house(self, request: HouseChatRequest, lease: Lease) -> Generation:
@@ -402,6 +424,21 @@ class ChatService:
             return str(self._engine.tokenizer.apply_chat_template(messages, **kwargs))
         except Exception as exc:  # jinja raise_exception() in a template, bad roles
             raise InvalidRequest(f"messages could not be formatted: {exc}", param="messages") from None
+
+    def _fits(self, text: str, param: str) -> str:
+        """``text``, unless even its fewest possible tokens (one per ``_token_chars``
+        characters) leave no room in the context: then the 400 its count would give, without
+        counting (a multi-MB prompt takes seconds, every other prompt waiting behind it)."""
+        if self._token_chars is not None:
+            least = -(-len(text) // self._token_chars)
+            context = self._engine.max_model_len
+            if least >= context:  # as ``_token_budget``: no room left for one token
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {context} tokens, "
+                    f"but the prompt has at least {least} tokens.",
+                    param=param,
+                )
+        return text
 
     async def _tokenize(self, render: Callable[[], str], add_special_tokens: bool, size: int) -> list[int]:
         """Token ids of ``render()``. A chat template writes <bos> itself, so chat prompts pass

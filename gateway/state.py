@@ -99,6 +99,7 @@ class Gateway:
             check_file(self.settings.catalog)  # so does a catalog that cannot be read at all
             check_model_path(self.settings.engine.model)  # and a model folder that is not there
             await self.engine.start()
+            await self.service.measure_tokenizer()
             self._model_shapes = model_shapes(self.engine.model_path or "")
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
             catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import queue
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +26,13 @@ from typing import Any, TypeVar
 
 MAX_BATCH = 256
 T = TypeVar("T")
+
+# A byte-fallback token (``<0x41>``) stands for one byte: at most one character of a prompt.
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Steps of a fast tokenizer's pipeline that never drop a character or merge several into one
+# (NFC, NFKC, Strip, StripAccents, BERT's clean-up, whitespace splits and fused unknowns do).
+_KEEPING_NORMALIZERS = {"Prepend", "Lowercase", "NFD", "NFKD", "ByteLevel"}  # and ``_keeps``' own
+_KEEPING_PRE_TOKENIZERS = {"Metaspace", "ByteLevel", "Digits", "UnicodeScripts"}
 
 
 @dataclass(slots=True)
@@ -121,6 +130,76 @@ class PromptTokenizer:
                 continue
             for (job, _), one in zip(items, ids, strict=True):
                 _settle(job, one, None)
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of a prompt that one token can stand for, or None (no bound).
+
+    A prompt of ``c`` characters then has at least ``c / longest`` tokens, so one that cannot
+    fit the context is refused without tokenizing it (a 2.3 MB prompt took 2.3 s to encode on
+    2 cores, every other prompt queued behind it). Vocabulary entries count their length
+    (``▁`` and ByteLevel's characters stand for one character or byte each), byte-fallback
+    tokens one, added and special tokens their text, which a prompt may spell out. The bound
+    holds only where the pipeline keeps every character, so it is None for other tokenizers:
+    not a fast one, a normalizer or pre-tokenizer that may drop or merge characters (NFC,
+    Strip, BERT's whitespace split), unknown characters fused into one token, or an added
+    token that swallows the whitespace beside it (``lstrip`` / ``rstrip``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    normalizers = _steps(backend.normalizer, "normalizers")
+    pre_tokenizers = _steps(backend.pre_tokenizer, "pretokenizers")
+    if not all(_keeps(step, _KEEPING_NORMALIZERS) for step in normalizers):
+        return None
+    if not all(_keeps(step, _KEEPING_PRE_TOKENIZERS) for step in pre_tokenizers):
+        return None
+    model = backend.model
+    kind = type(model).__name__
+    byte_fallback = bool(getattr(model, "byte_fallback", False))
+    byte_level = any(step["type"] == "ByteLevel" for step in pre_tokenizers)  # no byte is unknown
+    unknown_apart = getattr(model, "unk_token", None) is not None and not getattr(model, "fuse_unk", True)
+    if not (byte_fallback or (kind == "BPE" and (byte_level or unknown_apart))):
+        return None
+    added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+    if any(token.lstrip or token.rstrip for token in added):
+        return None
+    added_texts = {token.content for token in added}
+    longest = 1
+    for token in tokenizer.get_vocab():
+        if byte_fallback and token not in added_texts and _BYTE_TOKEN.fullmatch(token):
+            continue  # one character at most
+        longest = max(longest, len(token))
+    return longest
+
+
+def _steps(step: Any, nested: str) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's steps (their JSON), sequences flattened."""
+    if step is None:
+        return []
+    state: dict[str, Any] = json.loads(step.__getstate__())
+    if state.get("type") != "Sequence":
+        return [state]
+    flat: list[dict[str, Any]] = []
+    parts = list(state.get(nested, ()))
+    while parts:
+        part = parts.pop(0)
+        if part.get("type") == "Sequence":
+            parts[:0] = part.get(nested, ())
+        else:
+            flat.append(part)
+    return flat
+
+
+def _keeps(step: dict[str, Any], kinds: set[str]) -> bool:
+    """Whether one step keeps every character apart: a kind that does, a ``Replace`` of a
+    string by one at least as long (a regex may match anything), a split that drops nothing."""
+    kind = step.get("type")
+    if kind in kinds:
+        return True
+    if kind == "Replace":
+        pattern = step.get("pattern", {}).get("String")
+        return pattern is not None and len(step.get("content", "")) >= len(pattern)
+    return kind in ("Split", "Punctuation") and step.get("behavior") != "Removed"
 
 
 def _settle(job: _Job, result: Any, exc: BaseException | None) -> None:

@@ -4,13 +4,18 @@ each caller gets its own ids or its own error."""
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
-from gateway.tokenizing import PromptTokenizer
-from tests.helpers import eventually_async
+from gateway.embedded import embedded_model_dir, is_prepared
+from gateway.tokenizing import PromptTokenizer, longest_token_chars
+from tests.helpers import assert_openai_error, eventually_async
 from tests.unit.conftest import BASE, Serve
 from tests.unit.fakes import FakeEngine, FakeTokenizer
 
@@ -189,3 +194,164 @@ async def test_run_returns_the_result_or_raises_to_its_caller_alone() -> None:
         await prompts.run(fails)
     assert await prompts.run(lambda: threading.current_thread().name) == "tokenize"
     assert await prompts.encode(lambda: "ab", False) == [97, 98]
+
+
+# -- a prompt that cannot fit is refused before it is tokenized ------------------------------
+MODEL_DIR = embedded_model_dir(Path.home() / ".cache" / "gateway" / "models")
+needs_model = pytest.mark.skipif(not is_prepared(MODEL_DIR), reason="the embedded model is not prepared")
+
+
+@needs_model
+def test_no_text_has_fewer_tokens_than_its_characters_over_the_longest_token() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    longest = longest_token_chars(tokenizer)
+    assert longest == 31  # Gemma 3's longest tokens: runs of 31 newlines, tabs or spaces
+    assert len(tokenizer.encode("\n" * longest, add_special_tokens=False)) == 1  # and it is reached
+    specials = "".join(tokenizer.get_added_vocab())  # a prompt may spell every added token
+    rng = random.Random(7)  # the last but one: byte fallback, CJK, emoji (not surrogates)
+    texts = [
+        "\n" * 5000,
+        " " * 5000,
+        "\t" * 5000,
+        "▁" * 500,
+        "a" * 5000,
+        specials,
+        "<start_of_turn>user\n" * 300,
+        "".join(rng.choice("ab \n\t.") for _ in range(20_000)),
+        "".join(chr(c) for c in rng.sample(range(0x20, 0x30000), 5000) if not 0xD800 <= c < 0xE000),
+        "Hello world, this is a test of a long prompt. " * 500,
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) * longest >= len(text), text[:40]
+
+
+def _fast(
+    model: Any,
+    normalizer: Any = None,
+    pre_tokenizer: Any = None,
+    added: AddedToken | None = None,
+) -> PreTrainedTokenizerFast:
+    backend = Tokenizer(model)
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    if pre_tokenizer is not None:
+        backend.pre_tokenizer = pre_tokenizer
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    if added is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": [added]})
+    return tokenizer
+
+
+VOCAB = {"a": 0, "abcd": 1, "<0x41>": 2, "<unk>": 3}
+
+
+def test_the_longest_token_counts_added_tokens_and_byte_fallback_as_one_character() -> None:
+    bpe = models.BPE(dict(VOCAB), [], unk_token="<unk>", byte_fallback=True)
+    assert longest_token_chars(_fast(bpe, pre_tokenizer=pre_tokenizers.Metaspace())) == 5  # <unk>
+    bpe = models.BPE({"a": 0, "abcd": 1, "<0x41>": 2}, [], byte_fallback=True)
+    assert longest_token_chars(_fast(bpe)) == 4  # "<0x41>" stands for one byte
+    special = AddedToken("<|a_long_special|>", lstrip=False, rstrip=False)
+    bpe = models.BPE(dict(VOCAB), [], unk_token="<unk>", byte_fallback=True)
+    assert longest_token_chars(_fast(bpe, added=special)) == len("<|a_long_special|>")  # spelled: one token
+    bpe = models.BPE(dict(VOCAB), [], unk_token="<unk>", byte_fallback=False, fuse_unk=False)
+    assert longest_token_chars(_fast(bpe, pre_tokenizer=pre_tokenizers.ByteLevel())) == 6  # bytes, as written
+
+
+@pytest.mark.parametrize(
+    "tokenizer",
+    [
+        # NFKC makes one character of several ("ｶﾞ" -> "ガ"); Strip drops any run of spaces
+        _fast(models.BPE(dict(VOCAB), [], byte_fallback=True), normalizer=normalizers.NFKC()),
+        _fast(models.BPE(dict(VOCAB), [], byte_fallback=True), normalizer=normalizers.Strip()),
+        _fast(
+            models.BPE(dict(VOCAB), [], byte_fallback=True),
+            normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace("  ", " ")]),
+        ),
+        # BERT's split drops whitespace; a Split that removes its pattern drops it too
+        _fast(models.BPE(dict(VOCAB), [], byte_fallback=True), pre_tokenizer=pre_tokenizers.Whitespace()),
+        _fast(
+            models.BPE(dict(VOCAB), [], byte_fallback=True),
+            pre_tokenizer=pre_tokenizers.Sequence(
+                [pre_tokenizers.Metaspace(), pre_tokenizers.Split(" ", "removed")]
+            ),
+        ),
+        # a run of unknown characters fused into one token; WordLevel's unknown is a whole word
+        _fast(models.BPE(dict(VOCAB), [], unk_token="<unk>", fuse_unk=True)),
+        _fast(models.WordLevel(dict(VOCAB), unk_token="<unk>")),
+        # an added token that takes the spaces beside it
+        _fast(
+            models.BPE(dict(VOCAB), [], byte_fallback=True),
+            added=AddedToken("<mask>", lstrip=True),
+        ),
+        FakeTokenizer(),  # not a fast tokenizer: nothing to read the pipeline from
+    ],
+    ids=[
+        "nfkc",
+        "strip",
+        "replace-shorter",
+        "whitespace",
+        "split-removed",
+        "fused-unk",
+        "wordlevel",
+        "lstrip",
+        "slow",
+    ],
+)
+def test_no_bound_where_the_tokenizer_may_drop_or_merge_characters(tokenizer: Any) -> None:
+    assert longest_token_chars(tokenizer) is None
+
+
+class BoundedTokenizer(FakeTokenizer):
+    """The fake (one token a character) behind a fast tokenizer's vocabulary whose longest
+    token has 4 characters (so 4 bounds the fake too); records the texts it encodes."""
+
+    def __init__(self) -> None:
+        self.backend_tokenizer = Tokenizer(
+            models.BPE({"a": 0, "abcd": 1, "<0x41>": 2}, [], byte_fallback=True)
+        )
+        self.added_tokens_decoder: dict[int, AddedToken] = {}
+        self.encoded: list[int] = []  # the length of each text encoded
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.backend_tokenizer.get_vocab())
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encoded.append(len(text))
+        return super().encode(text, add_special_tokens)
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        self.encoded.extend(map(len, texts))
+        return {"input_ids": [FakeTokenizer.encode(self, t, add_special_tokens) for t in texts]}
+
+
+async def test_a_prompt_too_long_by_its_characters_is_refused_untokenized(serve: Serve) -> None:
+    engine = FakeEngine(max_model_len=100)
+    tokenizer = engine._tokenizer = BoundedTokenizer()
+    served = await serve(engine)
+    context = "This model's maximum context length is 100 tokens, but the prompt has"
+    huge = "x" * 400  # at least 100 tokens (4 characters a token at most): no room for one more
+
+    r = await served.http.post("/v1/completions", json={"model": BASE, "prompt": huge + "x"})
+    err = assert_openai_error(r, 400, "context_length_exceeded")
+    assert err["message"] == f"{context} at least 101 tokens." and err["param"] == "prompt"
+    for path, body, param in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+        ("/v1/responses", {"input": huge}, "input"),
+        ("/chat", {"question": huge}, "question"),
+    ]:
+        err = assert_openai_error(await served.http.post(path, json={"model": BASE, **body}), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, path
+        assert err["message"].startswith(f"{context} at least "), path
+    assert tokenizer.encoded == []  # refused without tokenizing
+
+    # Below the bound the prompt is counted, and refused as before by its count.
+    r = await served.http.post("/v1/completions", json={"model": BASE, "prompt": "x" * 396})
+    err = assert_openai_error(r, 400, "context_length_exceeded")
+    assert err["message"] == f"{context} 397 tokens." and err["param"] == "prompt"
+    assert tokenizer.encoded == [396]
+    # /tokenize counts a text of any length (a client counts to know what to cut), as vLLM's.
+    r = await served.http.post("/tokenize", json={"model": BASE, "prompt": huge})
+    assert r.status_code == 200 and r.json()["count"] == 401
