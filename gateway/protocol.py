@@ -25,6 +25,7 @@ from gateway.tools import ToolCall, ToolChoice, ToolDef
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range
+MAX_LOGIT_BIAS = 300  # entries in one logit_bias, as OpenAI (vLLM has no cap)
 
 
 class _Request(BaseModel):
@@ -188,6 +189,10 @@ class SamplingFields(_Request):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_keys(cls, bias: Any) -> Any:
+        if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias"
+            )
         if isinstance(bias, dict) and not all(str(k).isdigit() for k in bias):
             raise InvalidRequest(
                 "logit_bias keys must be token ids (non-negative integers)", param="logit_bias"

@@ -137,6 +137,16 @@ def test_bad_logit_bias_is_refused(bias: dict[str, float]) -> None:
     assert refused(chat, logit_bias=bias) == "logit_bias"
 
 
+def test_logit_bias_takes_at_most_300_entries_as_openai() -> None:
+    bias = {str(token): 1 for token in range(300)}
+    assert len(chat(logit_bias=bias).logit_bias or {}) == 300
+    assert len(completion(logit_bias=bias).logit_bias or {}) == 300
+    with pytest.raises(InvalidRequest, match="at most 300 entries, got 301") as info:
+        completion(logit_bias={**bias, "300": 1})
+    assert info.value.param == "logit_bias"
+    assert refused(chat, logit_bias={**bias, "300": 1}) == "logit_bias"
+
+
 def test_logit_bias_keys_become_token_ids() -> None:
     assert completion(logit_bias={"7": 100, "12": -100}).logit_bias == {7: 100.0, 12: -100.0}
 

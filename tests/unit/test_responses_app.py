@@ -453,6 +453,7 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
         ({"context_management": [{"type": "compaction", "compact_threshold": 10}]}, "context_management"),
         # vLLM's unimplemented fields and its legacy spellings, as on chat
         ({"bad_words": ["Hello"]}, "bad_words"),
+        ({"logit_bias": {str(token): 1 for token in range(301)}}, "logit_bias"),  # OpenAI's cap: 300
         ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         # chat's spellings of Responses fields
