@@ -51,7 +51,6 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "conversation": (),
     "prompt": (),
     "truncation": ("disabled",),
-    "max_tool_calls": (),
     "moderation": (),
     "context_management": (),
     "echo": (),
@@ -130,6 +129,9 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # only read with include=[...logprobs]
+    # OpenAI's cap on calls to built-in tools (and MCP), not function tools: with function tools
+    # only it changes nothing, and is echoed. An integer from 1, as OpenAI (strict: not 2.0, "2").
+    max_tool_calls: Annotated[int, Field(strict=True, ge=1)] | None = None
 
     @field_validator("input", mode="before")
     @classmethod

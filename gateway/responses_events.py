@@ -158,7 +158,7 @@ class ResponseDraft:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "max_tool_calls": None,
+            "max_tool_calls": body.max_tool_calls,
             "metadata": body.metadata or {},
             "model": self.gen.route.name,
             "output": output or [],

@@ -454,6 +454,12 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
         # vLLM's unimplemented fields and its legacy spellings, as on chat
         ({"bad_words": ["Hello"]}, "bad_words"),
         ({"logit_bias": {str(token): 1 for token in range(301)}}, "logit_bias"),  # OpenAI's cap: 300
+        # max_tool_calls: an integer from 1, as OpenAI
+        ({"max_tool_calls": 0}, "max_tool_calls"),
+        ({"max_tool_calls": 1.5}, "max_tool_calls"),
+        ({"max_tool_calls": 2.0}, "max_tool_calls"),
+        ({"max_tool_calls": "2"}, "max_tool_calls"),
+        ({"max_tool_calls": True}, "max_tool_calls"),
         ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         # chat's spellings of Responses fields
@@ -637,6 +643,24 @@ def test_another_format_on_an_enforcing_route_names_text_format(engine: ReadyEng
 def test_needs_a_key(http_nolife: TestClient) -> None:
     assert http_nolife.post("/v1/responses", json={"input": "Hi"}).status_code == 401
     assert http_nolife.get("/v1/responses/resp_x").status_code == 401
+
+
+def test_max_tool_calls_is_taken_echoed_and_changes_nothing(
+    http_nolife: TestClient, engine: ReadyEngine
+) -> None:
+    """OpenAI's cap on built-in tool calls: with function tools only, nothing to cap."""
+    client = sdk(http_nolife)
+    tools: Any = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    plain = client.responses.create(model="base-model", input="Hi", tools=tools)
+    capped = client.responses.create(model="base-model", input="Hi", tools=tools, max_tool_calls=1)
+    assert plain.max_tool_calls is None and capped.max_tool_calls == 1
+    assert capped.output_text == plain.output_text
+    assert engine.calls[1][:2] == engine.calls[0][:2]  # the same prompt and sampling
+    assert client.responses.retrieve(capped.id).max_tool_calls == 1
+    events = list(client.responses.create(model="base-model", input="Hi", max_tool_calls=3, stream=True))
+    assert [e.response.max_tool_calls for e in (events[0], events[-1])] == [3, 3]  # type: ignore[union-attr]
+    null = client.responses.create(model="base-model", input="Hi", max_tool_calls=None)
+    assert null.max_tool_calls is None
 
 
 def test_chat_sampling_extensions_pass_through(http_nolife: TestClient, engine: ReadyEngine) -> None:
