@@ -126,8 +126,16 @@ class GatewayMetrics:
             buckets=_LATENCY,
             registry=registry,
         )
+        # Both read from admission at each scrape: a request holds its prompts x n sequences,
+        # and limits.max_inflight bounds sequences (/admin/status shows both too).
         self.inflight = Gauge(
             "gateway_inflight_requests", "Requests admitted and not finished", registry=registry
+        )
+        self.inflight_sequences = Gauge(
+            "gateway_inflight_sequences",
+            "Sequences (prompts x n) of the requests admitted and not finished: what "
+            "limits.max_inflight and a key's max_concurrency bound",
+            registry=registry,
         )
         self.queued = Gauge(
             "gateway_engine_queued_requests",

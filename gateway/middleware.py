@@ -264,11 +264,13 @@ class Place:
 class Admission:
     """Sequences in flight (running + queued), in total and per key; shared with the app for
     drain and status. A sequence is what the engine runs: a request counts its prompts x
-    ``n``, so a batch of 256 prompts with ``n=8`` cannot pass the bounds as one request."""
+    ``n``, so a batch of 256 prompts with ``n=8`` cannot pass the bounds as one request.
+    ``requests`` counts the requests holding them (``/metrics``, ``/admin/status``)."""
 
     max_inflight: int
     retry_after_s: int
-    inflight: int = 0
+    inflight: int = 0  # sequences
+    requests: int = 0
     per_key: dict[str, int] = field(default_factory=dict)
     draining: bool = False
     rejected: int = 0
@@ -294,6 +296,7 @@ class Admission:
             self.rejected += 1
             return RateLimited(f"this key has {limit} sequences in flight already", headers=retry)
         self._add(principal, 1)
+        self.requests += 1
         return None
 
     def grow(self, place: Place, size: int, what: str) -> GatewayError | None:
@@ -346,6 +349,8 @@ class Admission:
             self.per_key[principal.name] = self.per_key.get(principal.name, 0) + count
 
     def release(self, principal: Principal | None, size: int = 1) -> None:
+        """An admitted request has ended: it and the ``size`` sequences it held."""
+        self.requests -= 1
         self.inflight -= size
         if principal is not None:
             left = self.per_key[principal.name] - size
@@ -374,9 +379,7 @@ class AdmissionMiddleware:
             await send_error(send, refused)
             return
         place = state["place"] = Place(principal)  # the route grows it to the request's sequences
-        self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send)
         finally:
             self.admission.release(principal, place.size)
-            self.metrics.inflight.dec()

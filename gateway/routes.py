@@ -456,6 +456,8 @@ async def metrics(request: Request) -> Response:
     m = gw.metrics
     m.engine_up.set(1 if gw.engine.ready else 0)
     m.queued.set(gw.engine.unfinished_requests() or 0)
+    m.inflight.set(gw.admission.requests)
+    m.inflight_sequences.set(gw.admission.inflight)
     # The router view even with scheduling off (nothing queued here then): a router pointed
     # at it (deploy/README.md) must not lose its metrics when the scheduler is switched off.
     queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None
@@ -503,7 +505,9 @@ async def admin_status(request: Request) -> Response:
     gw = _gateway(request)
     return JSONResponse(
         {
-            "inflight": gw.admission.inflight,
+            "inflight_requests": gw.admission.requests,
+            "inflight_sequences": gw.admission.inflight,  # what limits.max_inflight bounds
+            "inflight": gw.admission.inflight,  # deprecated: inflight_sequences
             "rejected": gw.admission.rejected,
             "draining": gw.admission.draining,
             "engine_ready": gw.engine.ready,

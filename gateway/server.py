@@ -70,15 +70,15 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain, sig)
 
     def _start_drain(self, sig: int) -> None:
-        log.info("%s: draining %d request(s)", signal.Signals(sig).name, self.gateway.admission.inflight)
+        log.info("%s: draining %d request(s)", signal.Signals(sig).name, self.gateway.admission.requests)
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.gateway.settings.limits.drain_timeout_s
-        while self.gateway.admission.inflight and time.monotonic() < deadline:
+        while self.gateway.admission.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.gateway.admission.inflight:
-            log.warning("drain timeout: %d request(s) still in flight", self.gateway.admission.inflight)
+        if self.gateway.admission.requests:
+            log.warning("drain timeout: %d request(s) still in flight", self.gateway.admission.requests)
             # They end with a 503 or an error event, aborted in the engine, in the moment
             # uvicorn's own shutdown gives them; it cancels what is left after that.
             self.gateway.stop_requests()

@@ -26,7 +26,7 @@ from tests.unit.test_routes import sse_data
 
 async def test_the_drain_timeout_stops_what_is_still_in_flight() -> None:
     stopped: list[bool] = []
-    admission = SimpleNamespace(inflight=1, draining=True)
+    admission = SimpleNamespace(requests=1, inflight=1, draining=True)
     gw: Any = SimpleNamespace(
         admission=admission,
         settings=SimpleNamespace(limits=SimpleNamespace(drain_timeout_s=0.1)),
@@ -40,7 +40,7 @@ async def test_the_drain_timeout_stops_what_is_still_in_flight() -> None:
 async def test_a_second_signal_stops_what_is_in_flight_at_once() -> None:
     stopped: list[bool] = []
     gw: Any = SimpleNamespace(
-        admission=SimpleNamespace(inflight=1, draining=False),
+        admission=SimpleNamespace(requests=1, inflight=1, draining=False),
         settings=SimpleNamespace(limits=SimpleNamespace(drain_timeout_s=60)),
         stop_requests=lambda: stopped.append(True),
     )

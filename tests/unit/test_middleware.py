@@ -406,6 +406,33 @@ async def test_a_request_holds_its_prompts_times_n_against_its_key(serve: Serve)
     assert served.gw.admission.per_key == {} and served.gw.admission.inflight == 0
 
 
+async def test_requests_and_sequences_in_flight_are_both_shown(serve: Serve) -> None:
+    """Two prompts with n=2 are one request and four sequences, in /metrics and /admin/status
+    alike (``inflight``, sequences, is kept for older readers)."""
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate))
+
+    async def shown() -> tuple[float | None, ...]:
+        status = (await served.http.get("/admin/status", headers=ADMIN)).json()
+        await served.http.get("/metrics")  # sets the gauges
+        registry = served.gw.metrics.registry
+        return (
+            status["inflight_requests"],
+            status["inflight_sequences"],
+            status["inflight"],
+            registry.get_sample_value("gateway_inflight_requests"),
+            registry.get_sample_value("gateway_inflight_sequences"),
+        )
+
+    batch = completion_body("base", ["a", "b"], n=2, temperature=1.0, max_tokens=2)
+    held_batch = post_soon(served, "/v1/completions", batch, {})
+    await eventually_async(lambda: served.engine.running == 2, 5, "both prompts in the engine")
+    assert await shown() == (1, 4, 4, 1.0, 4.0)
+    gate.set()
+    assert (await soon(held_batch)).status_code == 200
+    assert await shown() == (0, 0, 0, 0.0, 0.0)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "what", "fits"),
     [
