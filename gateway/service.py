@@ -349,7 +349,7 @@ class ChatService:
         """Token ids of a text, or of messages as the route's chat prompt (the route's
         template and system prompt, as ``chat`` builds them): ``/tokenize``."""
         if isinstance(text, str):
-            return await self._tokenize(lambda: text, add_special_tokens, size=len(text))
+            return await self._tokenize(lambda: text, add_special_tokens, size=len(text), background=True)
         check_tool_messages(text, answered_at_end=False)
         messages = _with_system(template_messages(text), route)
         template = route.chat_template
@@ -359,12 +359,14 @@ class ChatService:
             lambda: self._chat_text(messages, template, **template_kwargs),
             add_special_tokens,
             size=_size(messages),
+            background=True,
         )
 
     async def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``; a long list in the tokenizing thread (a million ids: 0.33 s)."""
+        """The text of ``ids`` (``/detokenize``); a long list in the tokenizing thread (a
+        million ids: 0.33 s), after the prompts waiting there."""
         if len(ids) > _THREAD_DECODE_IDS:
-            return await self.with_tokenizer(lambda tokenizer: str(tokenizer.decode(ids)))
+            return await self.with_tokenizer(lambda tokenizer: str(tokenizer.decode(ids)), background=True)
         return str(self._engine.tokenizer.decode(ids))
 
     async def check_schemas(self, check: Callable[[], T], carries_schemas: bool = True) -> T:
@@ -374,9 +376,10 @@ class ChatService:
             return check()
         return await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, check)
 
-    async def with_tokenizer(self, call: Callable[[Any], T]) -> T:
-        """``call(tokenizer)`` in the tokenizing thread, off the event loop."""
-        return await self._prompts.run(lambda: call(self._engine.tokenizer))
+    async def with_tokenizer(self, call: Callable[[Any], T], background: bool = False) -> T:
+        """``call(tokenizer)`` in the tokenizing thread, off the event loop; ``background``
+        (``/tokenize``'s work): after every generation request's prompt waiting there."""
+        return await self._prompts.run(lambda: call(self._engine.tokenizer), background)
 
     async def _completion_ids(self, prompt: PromptInput, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, list):
@@ -440,11 +443,13 @@ class ChatService:
                 )
         return text
 
-    async def _tokenize(self, render: Callable[[], str], add_special_tokens: bool, size: int) -> list[int]:
+    async def _tokenize(
+        self, render: Callable[[], str], add_special_tokens: bool, size: int, background: bool = False
+    ) -> list[int]:
         """Token ids of ``render()``. A chat template writes <bos> itself, so chat prompts pass
         ``add_special_tokens=False`` (adding them again would double it)."""
         if size > _THREAD_TOKENIZE_CHARS:
-            return await self._prompts.encode(render, add_special_tokens)
+            return await self._prompts.encode(render, add_special_tokens, background)
         return list(self._engine.tokenizer.encode(render(), add_special_tokens=add_special_tokens))
 
     async def _start(

@@ -113,6 +113,29 @@ async def test_a_request_cancelled_while_queued_is_skipped() -> None:
 
 
 @pytest.mark.asyncio
+async def test_background_work_waits_for_every_prompt_and_runs_alone() -> None:
+    # /tokenize's texts to count (2 MiB: 2 s each on 2 cores) must not hold up a generation
+    # request's prompt queued after them, nor join its batch.
+    fake = CountingTokenizer()
+    tok = PromptTokenizer(lambda: fake)
+    head, gate = await hold_the_thread(tok)
+    order: list[str] = []
+
+    def render(text: str) -> Any:
+        return lambda: order.append(text) or text
+
+    background = [asyncio.ensure_future(tok.encode(render(t), False, background=True)) for t in ("c1", "c2")]
+    counted = asyncio.ensure_future(tok.run(lambda: order.append("c3") or "strs", background=True))
+    prompts = [asyncio.ensure_future(tok.encode(render(t), False)) for t in ("p1", "p2")]
+    await asyncio.sleep(0.05)
+    gate.set()
+    results = await asyncio.gather(head, *prompts, *background, counted)
+    assert order == ["p1", "p2", "c1", "c2", "c3"]  # prompts first, then in arrival order
+    assert fake.batch_sizes == [2]  # the prompts together; each background job on its own
+    assert results[1:] == [fake.encode(t, False) for t in ("p1", "p2", "c1", "c2")] + ["strs"]
+
+
+@pytest.mark.asyncio
 async def test_the_thread_survives_a_missing_tokenizer() -> None:
     fake = CountingTokenizer()
     ready = False
@@ -168,6 +191,37 @@ async def test_detokenize_and_token_strs_of_many_ids_leave_the_event_loop(serve:
     )
     assert r.status_code == 200 and r.json()["token_strs"][1:3] == ["b", "b"]
     assert tokenizer.threads == ["tokenize", "tokenize"]
+
+
+async def test_tokenize_and_detokenize_work_after_the_prompts(serve: Serve, monkeypatch: Any) -> None:
+    engine, _ = _recording_engine(max_model_len=10_000)
+    served = await serve(engine)
+    ranks: list[tuple[str, bool]] = []
+    encode, run = PromptTokenizer.encode, PromptTokenizer.run
+
+    async def encode_recorded(self: Any, render: Any, special: bool, background: bool = False) -> Any:
+        ranks.append(("encode", background))
+        return await encode(self, render, special, background)
+
+    async def run_recorded(self: Any, call: Any, background: bool = False) -> Any:
+        ranks.append(("run", background))
+        return await run(self, call, background)
+
+    monkeypatch.setattr(PromptTokenizer, "encode", encode_recorded)
+    monkeypatch.setattr(PromptTokenizer, "run", run_recorded)
+    text = "b" * 5000
+    r = await served.http.post("/tokenize", json={"model": BASE, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200
+    r = await served.http.post(
+        "/tokenize", json={"model": BASE, "messages": [{"role": "user", "content": text}]}
+    )
+    assert r.status_code == 200
+    r = await served.http.post("/detokenize", json={"model": BASE, "tokens": [ord("a")] * 5000})
+    assert r.status_code == 200
+    assert ranks == [("encode", True), ("run", True), ("encode", True), ("run", True)]
+    ranks.clear()
+    r = await served.http.post("/v1/completions", json={"model": BASE, "prompt": text, "max_tokens": 1})
+    assert r.status_code == 200 and ranks == [("encode", False)]
 
 
 async def test_completion_echo_of_many_ids_leaves_the_event_loop(serve: Serve) -> None:
