@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, engine: Engine | None = None) -> None:
+        self._auto_slots = settings.engine.max_loras == "auto"  # sized once, here, to the catalog
         settings = self.settings = with_adapter_slots(settings)
         self.engine: Engine = engine or EngineManager(settings.engine, settings.cache_dir)
         self.catalog: Catalog | None = None
@@ -66,6 +67,7 @@ class Gateway:
         self._model_shapes: ModelShapes | None = None
         self.snapshots: SnapshotDir | None = None  # the adapter copies the engine loads
         self._unknown_key_routes: dict[str, frozenset[str]] = {}  # warned of: ``_routes_changed``
+        self._adapters_over_slots = 0  # adapters last warned of (``_slots_outgrown``)
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
         self.request_exit: Callable[[], None] = lambda: None
@@ -156,6 +158,27 @@ class Gateway:
                     ", ".join(sorted(unknown)),
                 )
             self._unknown_key_routes[key.name] = unknown
+        self._slots_outgrown(table)
+
+    def _slots_outgrown(self, table: RoutingTable) -> None:
+        """A warning when a reload leaves more adapters than ``max_loras: auto`` gave GPU
+        slots at start (they are sized once): the engine then runs at most that many adapters
+        in a step, and the others wait their turn. Said once per count."""
+        slots = self.settings.engine.gpu_slots
+        adapters = len({r.lora.lora_id for r in table.routes.values() if r.lora is not None})
+        if not self._auto_slots or adapters <= slots:
+            self._adapters_over_slots = 0
+            return
+        if adapters != self._adapters_over_slots:
+            log.warning(
+                "the catalog names %d adapters and the engine has %d GPU slots (engine.max_loras: auto, "
+                "sized at start): at most %d adapters run in one step, the others wait their turn; "
+                "restart the gateway to give each a slot",
+                adapters,
+                slots,
+                slots,
+            )
+        self._adapters_over_slots = adapters
 
     def close(self) -> None:
         """What outlives the engine: the response store and the adapter copies."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -520,3 +521,49 @@ async def test_a_pin_waits_for_room_among_the_active_adapters() -> None:
     tickets[0].release()  # type: ignore[union-attr]
     await asyncio.wait_for(pinning, 5)
     assert engine.pinned == [3] and s.residency(lora_route("p", 3, pinned=True)) == "gpu"
+
+
+async def test_a_reload_past_the_auto_slots_is_warned_of_once_per_count(
+    serve: Serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``auto`` sizes the slots once, at start: adapters added later share them."""
+    caplog.set_level(logging.WARNING, logger="gateway.state")
+    served = await serve()  # shout and json: auto gives 4 slots (at least 4)
+    assert served.gw.settings.engine.max_loras == 4
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "GPU slots" in r.getMessage()]
+
+    catalog = tmp_path / "adapters.yaml"
+    original = catalog.read_text()
+    for name in ("a1", "a2", "a3"):
+        make_adapter(tmp_path / "adapters", name)
+    extra = "".join(f"  - {{name: {n}, adapter: {n}}}\n" for n in ("a1", "a2"))
+    catalog.write_text(original + extra + "  - {name: again, adapter: a1}\n")
+    assert await served.gw.reload_catalog()
+    assert warnings() == []  # four adapters (a1 twice is one): a slot each
+    catalog.write_text(original + extra + "  - {name: a3, adapter: a3}\n")
+    assert await served.gw.reload_catalog()
+    assert warnings() == [
+        "the catalog names 5 adapters and the engine has 4 GPU slots (engine.max_loras: auto, sized at "
+        "start): at most 4 adapters run in one step, the others wait their turn; restart the gateway "
+        "to give each a slot"
+    ]
+    assert await served.gw.reload_catalog()
+    assert len(warnings()) == 1  # the same count: said once
+    catalog.write_text(original)
+    assert await served.gw.reload_catalog()
+    catalog.write_text(original + extra + "  - {name: a3, adapter: a3}\n")
+    assert await served.gw.reload_catalog()
+    assert len(warnings()) == 2  # over again after fitting: said again
+
+
+async def test_no_slot_warning_when_max_loras_is_set(
+    serve: Serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.state")
+    served = await serve(engine__max_loras=1)  # set: the operator chose to share the slot
+    catalog = tmp_path / "adapters.yaml"
+    assert await served.gw.reload_catalog()
+    assert served.gw.settings.engine.max_loras == 1 and "adapter: json" in catalog.read_text()
+    assert not [r for r in caplog.records if "GPU slots" in r.getMessage()]
