@@ -73,6 +73,25 @@ def gpu_slots(adapters: int, slot_bytes: int | None, max_num_seqs: int) -> int:
     return max(MIN_GPU_SLOTS, min(adapters + 1, max_num_seqs, GPU_SLOTS_BYTES // max(1, slot_bytes)))
 
 
+def more_slots_hint(adapters: int, slot_bytes: int | None, max_num_seqs: int) -> str:
+    """What gives ``adapters`` a GPU slot each, for the warning of a catalog that outgrew
+    the ``auto`` slots: a restart where ``gpu_slots`` would then give each one, else the
+    setting that caps it."""
+    if gpu_slots(adapters, slot_bytes, max_num_seqs) >= adapters:
+        return "restart the gateway to give each a slot"
+    if slot_bytes is None:
+        return f"auto gives {MIN_GPU_SLOTS} where the model's size is unknown: set engine.max_loras"
+    if max_num_seqs < min(adapters, GPU_SLOTS_BYTES // max(1, slot_bytes)):
+        return (
+            f"auto gives at most engine.max_num_seqs={max_num_seqs} (a step runs one adapter per "
+            "sequence): raise engine.max_num_seqs to give more"
+        )
+    return (
+        f"auto keeps the slots within {GPU_SLOTS_BYTES >> 20} MiB (about {slot_bytes / 2**20:.0f} MiB "
+        "each): set engine.max_loras to give more"
+    )
+
+
 def slot_bytes(config: Mapping[str, Any], max_lora_rank: int, dtype: str) -> int | None:
     """About the memory of one GPU slot: vLLM gives every slot ``max_lora_rank`` columns of
     A and B for each linear layer of the model (q, k, v, o and the MLP's, per expert),

@@ -23,6 +23,7 @@ from gateway.adapter_slots import (
     gpu_slots,
     host_memory_bytes,
     model_config,
+    more_slots_hint,
     slot_bytes,
 )
 from gateway.adapters_check import ModelShapes, model_shapes
@@ -161,22 +162,29 @@ class Gateway:
         self._slots_outgrown(table)
 
     def _slots_outgrown(self, table: RoutingTable) -> None:
-        """A warning when a reload leaves more adapters than ``max_loras: auto`` gave GPU
-        slots at start (they are sized once): the engine then runs at most that many adapters
-        in a step, and the others wait their turn. Said once per count."""
-        slots = self.settings.engine.gpu_slots
+        """A warning when the catalog names more adapters than ``max_loras: auto`` gave GPU
+        slots (they are sized once, at start, and capped): the engine then runs at most that
+        many adapters in a step, and the others wait their turn. Warned once while the catalog
+        stays over the slots (an entry rejected and fixed moves the count back and forth);
+        a later count is an info line. The advice says what gives each adapter a slot: a
+        restart only where ``auto`` would then do it, else the setting that caps it."""
+        engine = self.settings.engine
+        slots = engine.gpu_slots
         adapters = len({r.lora.lora_id for r in table.routes.values() if r.lora is not None})
         if not self._auto_slots or adapters <= slots:
             self._adapters_over_slots = 0
             return
         if adapters != self._adapters_over_slots:
-            log.warning(
+            config = model_config(engine.model, self.settings.cache_dir)
+            each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
+            log.log(
+                logging.INFO if self._adapters_over_slots else logging.WARNING,
                 "the catalog names %d adapters and the engine has %d GPU slots (engine.max_loras: auto, "
-                "sized at start): at most %d adapters run in one step, the others wait their turn; "
-                "restart the gateway to give each a slot",
+                "sized at start): at most %d adapters run in one step, the others wait their turn; %s",
                 adapters,
                 slots,
                 slots,
+                more_slots_hint(adapters, each, engine.max_num_seqs),
             )
         self._adapters_over_slots = adapters
 

@@ -322,6 +322,23 @@ def test_auto_gives_a_gpu_slot_to_each_adapter_and_one_more() -> None:
     assert gpu_slots(16, 30 << 20, 2) == 4  # the floor still
 
 
+def test_the_advice_for_more_slots_names_what_caps_auto() -> None:
+    """A restart helps only where ``auto`` would then give each adapter a slot."""
+    from gateway.adapter_slots import more_slots_hint
+
+    assert more_slots_hint(20, 30 << 20, 256) == "restart the gateway to give each a slot"
+    assert more_slots_hint(24, 46 << 20, 16) == (
+        "auto gives at most engine.max_num_seqs=16 (a step runs one adapter per sequence): "
+        "raise engine.max_num_seqs to give more"
+    )
+    assert more_slots_hint(100, 46 << 20, 256) == (
+        "auto keeps the slots within 1024 MiB (about 46 MiB each): set engine.max_loras to give more"
+    )
+    assert more_slots_hint(8, None, 256) == (
+        "auto gives 4 where the model's size is unknown: set engine.max_loras"
+    )
+
+
 def test_a_slots_bytes_are_the_models_linear_layers_at_the_rank(tmp_path: Path) -> None:
     """Against a model's own weights: per slot, rank x (in + out) of each linear layer, plus
     two vocabulary-sized matrices."""
@@ -523,16 +540,20 @@ async def test_a_pin_waits_for_room_among_the_active_adapters() -> None:
     assert engine.pinned == [3] and s.residency(lora_route("p", 3, pinned=True)) == "gpu"
 
 
-async def test_a_reload_past_the_auto_slots_is_warned_of_once_per_count(
+async def test_a_reload_past_the_auto_slots_is_warned_of_once_while_over(
     serve: Serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``auto`` sizes the slots once, at start: adapters added later share them."""
-    caplog.set_level(logging.WARNING, logger="gateway.state")
+    caplog.set_level(logging.INFO, logger="gateway.state")
     served = await serve()  # shout and json: auto gives 4 slots (at least 4)
     assert served.gw.settings.engine.max_loras == 4
 
     def warnings() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "GPU slots" in r.getMessage()]
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if "GPU slots" in r.getMessage() and r.levelname == "WARNING"
+        ]
 
     catalog = tmp_path / "adapters.yaml"
     original = catalog.read_text()
@@ -551,6 +572,14 @@ async def test_a_reload_past_the_auto_slots_is_warned_of_once_per_count(
     ]
     assert await served.gw.reload_catalog()
     assert len(warnings()) == 1  # the same count: said once
+    make_adapter(tmp_path / "adapters", "a4")
+    catalog.write_text(original + extra + "  - {name: a3, adapter: a3}\n  - {name: a4, adapter: a4}\n")
+    assert await served.gw.reload_catalog()
+    assert len(warnings()) == 1  # still over: the new count is an info line, not a second warning
+    assert [r.levelname for r in caplog.records if "names 6 adapters" in r.getMessage()] == ["INFO"]
+    catalog.write_text(original + extra + "  - {name: a3, adapter: a3}\n")
+    assert await served.gw.reload_catalog()
+    assert len(warnings()) == 1  # back to a count already said (an entry rejected, then fixed)
     catalog.write_text(original)
     assert await served.gw.reload_catalog()
     catalog.write_text(original + extra + "  - {name: a3, adapter: a3}\n")
