@@ -294,8 +294,6 @@ def _build_route(
     info = check_adapter(
         path, max_lora_rank, base_name, model_modules, strict_base_model=entry.strict_base_model
     )
-    for warning in info.warnings:
-        log.warning("catalog entry %s: %s", entry.name, warning)
     digest = adapter_digest(path)
     # The engine's LoRA name is the route name: vLLM reports running and waiting adapters
     # by it (``vllm:lora_requests_info``) and LoRA-affinity routers match it to ``model``.
@@ -336,10 +334,20 @@ def _on_snapshot(
         except ConfigError:
             snapshots.discard(path)
         raise
-    for warning in set(info.warnings) - set(route.warnings):
-        log.warning("catalog entry %s: %s", route.name, warning)
     lora = replace(route.lora, lora_id=lora_ids.id_for(digest, route.pinned), path=str(path))
     return replace(route, lora=lora, digest=digest, rank=info.rank, warnings=info.warnings)
+
+
+def _log_warnings(table: RoutingTable, before: RoutingTable | None) -> None:
+    """Each route's warnings (another base model's name), once per version: a reload
+    brought on by another entry's edit does not say them again. They stay in the route's
+    ``warnings`` (``/v1/models``, ``/admin/adapters``) for as long as they hold."""
+    for route in table.routes.values():
+        old = before.routes.get(route.name) if before is not None else None
+        said = old.warnings if old is not None and old.digest == route.digest else ()
+        for warning in route.warnings:
+            if warning not in said:
+                log.warning("catalog entry %s: %s", route.name, warning)
 
 
 def _errors_line(table: RoutingTable) -> str | None:
@@ -407,6 +415,7 @@ class Catalog:
         self._add_lora = add_lora
         self._ids = LoraIds()
         self.table = build(self._ids)
+        _log_warnings(self.table, None)
         self.last_error: str | None = None
         self.reloads = 0
         self._in_use: dict[int, int] = {}
@@ -483,6 +492,7 @@ class Catalog:
         self._retired.difference_update(live)
         # A version that comes back (files restored) before it left the engine stays.
         self._pending_removal = [i for i in self._pending_removal if i not in live]
+        _log_warnings(table, self.table)
         self.table = table
         self.last_error = _errors_line(table)
         self.reloads += 1

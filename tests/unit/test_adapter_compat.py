@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,29 @@ def test_another_base_name_is_a_warning_not_a_rejection(tmp_path: Path, gemma: M
     cards = {c["id"]: c for c in model_cards(Catalog(lambda ids: t), 0)}
     assert cards["local"]["warnings"] == list(t.routes["local"].warnings)
     assert cards["served-as"].get("warnings") is None  # the base route has no adapter fields
+
+
+async def test_a_base_name_warning_is_logged_once_per_version(
+    tmp_path: Path, gemma: ModelShapes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reloads brought on by other entries' edits do not say it again; a new version does."""
+    caplog.set_level(logging.WARNING, logger="gateway.catalog")
+    path = copy_adapter(tmp_path, "it", base_model_name_or_path="google/gemma-3-270m-it")
+    copy_adapter(tmp_path, "other")
+    entries = "  - {name: it, adapter: it}\n"
+    catalog = Catalog(lambda ids: table(tmp_path, gemma, entries, "served-as"))
+
+    def said() -> int:
+        return sum("catalog entry it: trained for base model" in r.getMessage() for r in caplog.records)
+
+    assert said() == 1
+    entries += "  - {name: other, adapter: other}\n"
+    assert await catalog.reload() and await catalog.reload()
+    assert said() == 1 and catalog.table.routes["it"].warnings  # still on the route's card
+    data = json.loads((path / "adapter_config.json").read_text()) | {"lora_alpha": 17}
+    (path / "adapter_config.json").write_text(json.dumps(data))
+    assert await catalog.reload()
+    assert said() == 2  # a new version of the adapter: said for it
 
 
 def test_strict_base_model_makes_the_name_a_rejection(tmp_path: Path, gemma: ModelShapes) -> None:
