@@ -298,7 +298,7 @@ class AdapterSlots:
         params = self.engine.prepare(SamplingSpec(max_tokens=1, temperature=0.0))
         prompt = self.engine.tokenizer.encode("Hello")
         t0 = time.perf_counter()
-        ticket = await self.scheduler.turn(route) if self.scheduler is not None else None
+        ticket = await self.scheduler.turn(route, observe=False) if self.scheduler is not None else None
         try:
             request_id = f"preload-{route.name}-{lora.lora_id}"
             async for _ in self.engine.generate(prompt, params, request_id, lora):

@@ -106,6 +106,7 @@ class _Waiter:
     key_weight: float
     arrived: float
     future: asyncio.Future[Ticket]
+    observed: bool = True  # in the wait metrics (a user request; not a preload's warm-up)
 
 
 @dataclass(slots=True)
@@ -152,9 +153,13 @@ class LoraScheduler:
         self._room: list[asyncio.Future[None]] = []
 
     # -- per request ------------------------------------------------------------------
-    async def turn(self, route: Route, caller: Caller | None = None) -> Ticket | None:
+    async def turn(
+        self, route: Route, caller: Caller | None = None, *, observe: bool = True
+    ) -> Ticket | None:
         """Wait for ``route``'s adapter to have the engine's attention; None for a route
-        without an adapter (never waits). Release the ticket when the stream ends."""
+        without an adapter (never waits). Release the ticket when the stream ends.
+        ``observe`` False keeps the wait out of the metrics (a preload's warm-up: no user
+        waited, and its route is not in the metrics' labels until its table is live)."""
         if route.lora is None:
             return None
         caller = caller or ANONYMOUS
@@ -163,9 +168,11 @@ class LoraScheduler:
             adapter = self._adapters[route.lora.lora_id] = _Adapter(route.lora.lora_id)
         adapter.weights[route.name] = route.weight  # a reload may change it
         if self._may_enter(adapter, caller):
-            return self._enter(adapter, route.name, 0.0)
+            return self._enter(adapter, route.name, 0.0 if observe else None)
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(route.name, caller.priority, caller.name, caller.weight, self._clock(), future)
+        waiter = _Waiter(
+            route.name, caller.priority, caller.name, caller.weight, self._clock(), future, observe
+        )
         adapter.queue.append(waiter)
         self._waiting[adapter.lora_id] = adapter
         self._set_queued(self.queued + 1)
@@ -193,10 +200,12 @@ class LoraScheduler:
         self._activate(adapter)
         return True
 
-    def _enter(self, adapter: _Adapter, route: str, waited: float) -> Ticket:
+    def _enter(self, adapter: _Adapter, route: str, waited: float | None) -> Ticket:
+        """``waited`` None: not observed (``turn``'s ``observe``)."""
         adapter.inflight += 1
         adapter.routes[route] = adapter.routes.get(route, 0) + 1
-        self._observe_wait(route, waited)
+        if waited is not None:
+            self._observe_wait(route, waited)
         return Ticket(self, adapter, route)
 
     def _short_of_draining(self) -> bool:
@@ -287,7 +296,8 @@ class LoraScheduler:
         for waiter in waiters:
             if waiter.future.done():  # cancelled; _cancel is on its way
                 continue
-            waiter.future.set_result(self._enter(adapter, waiter.route, now - waiter.arrived))
+            waited = now - waiter.arrived if waiter.observed else None
+            waiter.future.set_result(self._enter(adapter, waiter.route, waited))
         if adapter.inflight == 0 and adapter.granted_at is not None:  # all had left
             self._deactivate(adapter)
 
@@ -324,11 +334,11 @@ class LoraScheduler:
         ]
         sent = 0
         for adapter in late:
-            routes = Counter(w.route for w in adapter.queue)
+            routes = Counter(w.route for w in adapter.queue if w.observed)
+            sent += len(adapter.queue)
             if adapter.granted_at is None:
                 self._activate(adapter)  # over the slot count: vLLM queues it
             self._hand_over(adapter)
-            sent += routes.total()
             if self._metrics is not None:
                 for route, count in routes.items():
                     self._metrics.adapter_wait_timeouts.labels(self._metrics.route_label(route)).inc(count)

@@ -113,6 +113,27 @@ async def test_a_warm_up_waits_for_its_adapters_turn() -> None:
     assert s.scheduler.snapshot()["active"] == {}
 
 
+async def test_a_warm_up_is_not_a_user_request_in_the_wait_metrics() -> None:
+    """Warm-ups run before their route is a metrics label: counted, they showed as
+    ``gateway_adapter_wait_seconds{route="unknown"}``; a user request after it is counted."""
+    s, engine, metrics = slots(max_loras=2)
+    s.scheduler = LoraScheduler(2, quantum_s=10.0, max_wait_s=60.0, pinned=s.pinned, metrics=metrics)
+    metrics.set_routes(frozenset({"busy", "new", "other"}))
+    busy = await s.scheduler.turn(lora_route("busy", 2))
+    other = await s.scheduler.turn(lora_route("other", 4))  # both slots taken: the warm-up queues
+    warm = asyncio.create_task(s.register(lora_route("new", 3, preload=True)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not warm.done() and busy is not None and other is not None
+    busy.release()
+    await asyncio.wait_for(warm, 5)
+    assert sample(metrics, "gateway_adapter_wait_seconds_count", route="new") is None
+    assert sample(metrics, "gateway_adapter_wait_seconds_count", route="unknown") is None
+    ticket = await s.scheduler.turn(lora_route("new", 3))
+    assert ticket is not None
+    assert sample(metrics, "gateway_adapter_wait_seconds_count", route="new") == 1
+
+
 async def test_pinned_adapters_are_pinned_but_one_slot_stays_free() -> None:
     s, engine, _ = slots(max_loras=3)
     routes = [lora_route(f"r{i}", i, pinned=True) for i in (1, 2, 3)]
