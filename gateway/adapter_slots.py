@@ -24,6 +24,7 @@ learn whether its adapter is warm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -226,8 +227,8 @@ class AdapterSlots:
             self.metrics.adapter_load_seconds.labels(route.name).observe(time.perf_counter() - t0)
             self.metrics.adapter_loads.labels(route.name).inc()
             self.registered.add(lora.lora_id)
-            self.resident.add(lora.lora_id)
             self.paths[lora.lora_id] = Path(lora.path)
+            await self._after_load(lora.lora_id)
         try:
             # Also a version already loaded whose entry now asks for preload (an edit that
             # sets ``preload: true`` keeps the files, so the version and its id stay).
@@ -283,7 +284,7 @@ class AdapterSlots:
             # ``max_cpu_loras``), and vLLM refuses to pin an adapter it does not hold: add it
             # again first (a no-op when it is still there).
             await self.engine.add_lora(route.lora)
-            self.resident.add(route.lora.lora_id)
+            await self._after_load(route.lora.lora_id)
             await self._pin(route)
         except GatewayError as exc:
             self.pins_waiting.pop(route.lora.lora_id, None)
@@ -330,6 +331,14 @@ class AdapterSlots:
 
     async def refresh(self) -> None:
         self.resident = set(await self.engine.list_loras())
+
+    async def _after_load(self, lora_id: int) -> None:
+        """Read the engine's adapters again after a load: with more adapters than
+        ``max_cpu_loras`` the load evicted the least recently used, which would otherwise
+        read as loaded (and its next request as warm) until the next periodic refresh."""
+        with contextlib.suppress(GatewayError):
+            await self.refresh()
+        self.resident.add(lora_id)  # just added, whatever the read said
 
     def residency(self, route: Route) -> Residency | None:
         if route.lora is None:

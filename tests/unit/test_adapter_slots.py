@@ -77,6 +77,25 @@ async def test_register_loads_once_and_counts_the_load() -> None:
     assert s.residency(route) == "loaded" and engine.calls == [] and engine.pinned == []
 
 
+async def test_a_load_that_evicts_another_adapter_shows_it_not_loaded() -> None:
+    """vLLM's CPU cache holds ``max_cpu_loras`` adapters and evicts the least recently used
+    on a load: the evicted one is "not loaded" at once, and its next request is cold."""
+
+    class EvictingEngine(SlotEngine):
+        async def add_lora(self, lora: LoraSpec) -> None:
+            await super().add_lora(lora)
+            while len(self.loras) > 2:
+                self.loras.discard(min(self.loras))  # the oldest id here is the least recent
+
+    engine = EvictingEngine()
+    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 4)  # type: ignore[arg-type]
+    routes = [lora_route(f"r{i}", i) for i in (1, 2, 3)]
+    for route in routes:
+        await s.register(route)
+    assert [s.residency(r) for r in routes] == ["not loaded", "loaded", "loaded"]
+    assert s.start_state(routes[0]) == "cold" and s.start_state(routes[2]) == "warm"
+
+
 async def test_preload_warms_with_one_token_under_a_versioned_name() -> None:
     s, engine, _ = slots()
     await s.register(lora_route("json", 3, preload=True))
