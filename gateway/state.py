@@ -69,6 +69,7 @@ class Gateway:
         self.snapshots: SnapshotDir | None = None  # the adapter copies the engine loads
         self._unknown_key_routes: dict[str, frozenset[str]] = {}  # warned of: ``_routes_changed``
         self._adapters_over_slots = 0  # adapters last warned of (``_slots_outgrown``)
+        self._pinned_said: frozenset[str] = frozenset()  # ``_pins_unbound``
         # Set by whoever runs the server (the CLI): ask it to stop. The app calls it when
         # the engine dies, so a supervisor restarts the process.
         self.request_exit: Callable[[], None] = lambda: None
@@ -160,6 +161,21 @@ class Gateway:
                 )
             self._unknown_key_routes[key.name] = unknown
         self._slots_outgrown(table)
+        self._pins_unbound(table)
+
+    def _pins_unbound(self, table: RoutingTable) -> None:
+        """A line when pinned routes turn ``limits.max_adapter_wait_s`` off (the LoRA
+        scheduler sends nothing on early while an adapter is pinned: a batch with more
+        unpinned adapters than free slots would kill the engine). Said once per change."""
+        pinned = frozenset(r.name for r in table.routes.values() if r.pinned)
+        if pinned and pinned != self._pinned_said and self.scheduler is not None:
+            log.info(
+                "pinned: %s; while an adapter is pinned, limits.max_adapter_wait_s (%g s) does not bound "
+                "the wait for an adapter's turn: a waiting adapter gets a slot when an active one drains",
+                ", ".join(sorted(pinned)),
+                self.settings.limits.max_adapter_wait_s,
+            )
+        self._pinned_said = pinned
 
     def _slots_outgrown(self, table: RoutingTable) -> None:
         """A warning when the catalog names more adapters than ``max_loras: auto`` gave GPU

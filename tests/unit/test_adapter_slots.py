@@ -636,3 +636,30 @@ async def test_no_slot_warning_when_max_loras_is_set(
     assert await served.gw.reload_catalog()
     assert served.gw.settings.engine.max_loras == 1 and "adapter: json" in catalog.read_text()
     assert not [r for r in caplog.records if "GPU slots" in r.getMessage()]
+
+
+async def test_pins_turning_the_wait_bound_off_are_said_once_per_change(
+    serve: Serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator who pins one adapter loses limits.max_adapter_wait_s: the log says so."""
+    caplog.set_level(logging.INFO, logger="gateway.state")
+    served = await serve(SlotEngine(), engine__max_loras=3, limits__max_adapter_wait_s=5)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "max_adapter_wait_s" in r.getMessage()]
+
+    assert said() == []  # nothing pinned
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(PINNED)
+    assert await served.gw.reload_catalog()
+    assert said() == [
+        "pinned: shout; while an adapter is pinned, limits.max_adapter_wait_s (5 s) does not bound the "
+        "wait for an adapter's turn: a waiting adapter gets a slot when an active one drains"
+    ]
+    assert await served.gw.reload_catalog()
+    assert len(said()) == 1  # the same pins: said once
+    catalog.write_text(
+        PINNED.replace("{name: json, adapter: json}", "{name: json, adapter: json, pinned: true}")
+    )
+    assert await served.gw.reload_catalog()
+    assert said()[-1].startswith("pinned: json, shout;") and len(said()) == 2
