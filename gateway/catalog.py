@@ -197,8 +197,7 @@ def load_table(
                 )
                 route = _on_snapshot(route, snapshots, lora_ids, recheck)
         except (ConfigError, ValidationError, OSError) as exc:  # OSError: files that changed mid-check
-            errors[label] = _one_line(exc)
-            log.error("catalog entry %s rejected: %s", label, errors[label])
+            errors[label] = _one_line(exc)  # logged by the catalog, once while it holds (``_log_news``)
             continue
         taken.update([route.name, *route.aliases])
         taken_tasks.update(route.tasks)
@@ -338,10 +337,14 @@ def _on_snapshot(
     return replace(route, lora=lora, digest=digest, rank=info.rank, warnings=info.warnings)
 
 
-def _log_warnings(table: RoutingTable, before: RoutingTable | None) -> None:
-    """Each route's warnings (another base model's name), once per version: a reload
-    brought on by another entry's edit does not say them again. They stay in the route's
-    ``warnings`` (``/v1/models``, ``/admin/adapters``) for as long as they hold."""
+def _log_news(table: RoutingTable, before: RoutingTable | None) -> None:
+    """What ``table`` says that ``before`` did not: each rejected entry's error while it
+    holds, and each route's warnings (another base model's name) once per version. A reload
+    brought on by another entry's edit does not say them again; they stay in
+    ``/admin/adapters`` (and the warnings in ``/v1/models``) for as long as they hold."""
+    for label, error in table.errors.items():
+        if before is None or before.errors.get(label) != error:
+            log.error("catalog entry %s rejected: %s", label, error)
     for route in table.routes.values():
         old = before.routes.get(route.name) if before is not None else None
         said = old.warnings if old is not None and old.digest == route.digest else ()
@@ -415,7 +418,7 @@ class Catalog:
         self._add_lora = add_lora
         self._ids = LoraIds()
         self.table = build(self._ids)
-        _log_warnings(self.table, None)
+        _log_news(self.table, None)
         self.last_error: str | None = None
         self.reloads = 0
         self._in_use: dict[int, int] = {}
@@ -492,7 +495,7 @@ class Catalog:
         self._retired.difference_update(live)
         # A version that comes back (files restored) before it left the engine stays.
         self._pending_removal = [i for i in self._pending_removal if i not in live]
-        _log_warnings(table, self.table)
+        _log_news(table, self.table)
         self.table = table
         self.last_error = _errors_line(table)
         self.reloads += 1
@@ -504,6 +507,7 @@ class Catalog:
         async with self._lock:
             table = await self._register(self.table)
             if table is not self.table:
+                _log_news(table, self.table)  # the engine's refusals
                 self.table = table
                 self.last_error = _errors_line(table)
 
@@ -523,7 +527,6 @@ class Catalog:
                 await self._add_lora(route)
             except GatewayError as exc:
                 failed[route.name] = f"the engine could not load the adapter: {exc.message}"
-                log.error("adapter %s rejected: %s", route.name, failed[route.name])
         return table.reject(failed) if failed else table
 
     async def remove_drained(self) -> list[int]:

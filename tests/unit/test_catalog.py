@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -402,6 +403,33 @@ async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, roo
     assert await catalog.remove_drained() == [old.lora_id]
     assert removed == [old.lora_id]
     assert catalog.in_use() == {}
+
+
+async def test_a_rejected_entry_is_logged_once_while_it_stays_rejected(
+    tmp_path: Path, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The watcher reloads on every edit of any entry: a broken one was said again each time."""
+    caplog.set_level(logging.ERROR, logger="gateway.catalog")
+    make_adapter(root, "bigrank", rank=64)
+    catalog, path = live_catalog(tmp_path, root, [])
+    broken = "  - {name: broken, adapter: bigrank}\n"
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+
+    path.write_text(CATALOG + broken)
+    assert await catalog.reload() and said() == [
+        f"catalog entry broken rejected: {catalog.table.errors['broken']}"
+    ]
+    path.write_text(CATALOG + broken + "  - {name: brief, system_prompt: Be brief.}\n")  # another edit
+    assert await catalog.reload() and "brief" in catalog.table.routes
+    assert len(said()) == 1  # the same error: said once
+    path.write_text(CATALOG + "  - {name: broken, adapter: missing}\n")  # another error: said
+    assert await catalog.reload() and len(said()) == 2 and "missing" in said()[-1]
+    path.write_text(CATALOG)
+    assert await catalog.reload()
+    path.write_text(CATALOG + "  - {name: broken, adapter: missing}\n")  # back after it was gone: said
+    assert await catalog.reload() and len(said()) == 3
 
 
 class GatedRemoval(FakeEngine):
