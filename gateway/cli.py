@@ -197,9 +197,7 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
     else:
         base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
         modules = model_shapes(model)
-    # This command reports each rejected entry and warning itself (REJECTED / WARNING below):
-    # the catalog's own log line for each would print it twice.
-    logging.getLogger("gateway.catalog").setLevel(logging.CRITICAL)
+    # load_table logs nothing: this command reports each rejected entry and warning (below).
     table = load_table(
         settings.catalog,
         base_name=base_name,
