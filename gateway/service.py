@@ -436,11 +436,7 @@ class ChatService:
             least = -(-len(text) // self._token_chars)
             context = self._engine.max_model_len
             if least >= context:  # as ``_token_budget``: no room left for one token
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {context} tokens, "
-                    f"but the prompt has at least {least} tokens.",
-                    param=param,
-                )
+                raise _over_context(context, f"at least {least}", param)
         return text
 
     async def _tokenize(
@@ -529,11 +525,7 @@ class ChatService:
         context = self._engine.max_model_len
         room = context - prompt_len
         if room <= 0:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {context} tokens, "
-                f"but the prompt has {prompt_len} tokens.",
-                param=prompt_param,
-            )
+            raise _over_context(context, str(prompt_len), prompt_param)
         if max_tokens is not None and max_tokens < min_tokens:
             raise InvalidRequest(
                 f"min_tokens must be at most {limit_param} ({max_tokens}), got {min_tokens}",
@@ -691,6 +683,15 @@ def _with_system(messages: list[dict[str, Any]], route: Route) -> list[dict[str,
     if route.system_prompt and not any(m["role"] in ("system", "developer") for m in messages):
         messages.insert(0, {"role": "system", "content": route.system_prompt})
     return messages
+
+
+def _over_context(context: int, tokens: str, param: str) -> ContextLengthExceeded:
+    """OpenAI's 400 for a prompt that leaves no room in the context; ``tokens``: its count,
+    or a bound on it ("at least N")."""
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {context} tokens, but the prompt has {tokens} tokens.",
+        param=param,
+    )
 
 
 def _size(messages: list[dict[str, Any]]) -> int:
