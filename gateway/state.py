@@ -191,8 +191,6 @@ class Gateway:
             self._adapters_over_slots = 0
             return
         if adapters != self._adapters_over_slots:
-            config = model_config(engine.model, self.settings.cache_dir)
-            each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
             log.log(
                 logging.INFO if self._adapters_over_slots else logging.WARNING,
                 "the catalog names %d adapters and the engine has %d GPU slots (engine.max_loras: auto, "
@@ -200,7 +198,7 @@ class Gateway:
                 adapters,
                 slots,
                 slots,
-                more_slots_hint(adapters, each, engine.max_num_seqs),
+                more_slots_hint(adapters, model_slot_bytes(self.settings), engine.max_num_seqs),
             )
         self._adapters_over_slots = adapters
 
@@ -300,14 +298,21 @@ def auto_slots(settings: GatewaySettings, dirs: list[Path]) -> int:
     """``engine.max_loras: auto`` for the catalog's adapter folders ``dirs``; an explicit
     ``max_cpu_loras`` caps it (vLLM wants as many in its CPU cache as in slots)."""
     engine = settings.engine
-    config = model_config(engine.model, settings.cache_dir)
-    each = slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
+    each = model_slot_bytes(settings)
     slots = gpu_slots(len(dirs), each, engine.max_num_seqs)
     if engine.max_cpu_loras is not None:
         slots = min(slots, engine.max_cpu_loras)
     known = f"about {each / 2**20:.0f} MiB each" if each is not None else "size unknown"
     log.info("engine.max_loras=%d (auto): the catalog names %d adapters; slots %s", slots, len(dirs), known)
     return slots
+
+
+def model_slot_bytes(settings: GatewaySettings) -> int | None:
+    """About the memory of one GPU slot for the settings' model (``adapter_slots.slot_bytes``);
+    None when the model's sizes cannot be read."""
+    engine = settings.engine
+    config = model_config(engine.model, settings.cache_dir)
+    return slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
 
 
 def check_model_path(model: str | None) -> None:
