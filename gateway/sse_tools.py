@@ -20,7 +20,9 @@ Streaming, per choice:
   trailing blanks, and a line from where JSON that may be calls ending the answer starts),
   which waits for more text or the end; the deltas add up to the whole response's content.
 
-A choice that ended with calls has ``finish_reason: "tool_calls"`` (``length`` stays ``length``).
+A choice that ended with calls has ``finish_reason: "tool_calls"`` (``length`` stays ``length``),
+except under ``named``: there it stays ``stop``, as OpenAI's API and vLLM's server answer a forced
+function.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from gateway.tools import (
     CALL_OPENERS,
     ParsedCall,
     RequiredCallScanner,
+    ToolPlan,
     call_id,
     calls_of_answer,
     settled_content,
@@ -44,8 +47,8 @@ from gateway.tools import (
 from gateway.types import Chunk, StepOutput
 
 
-def _finish(reason: str | None, calls: list[ParsedCall]) -> str | None:
-    return "tool_calls" if calls and reason == "stop" else reason
+def _finish(reason: str | None, calls: list[ParsedCall], plan: ToolPlan) -> str | None:
+    return "tool_calls" if calls and reason == "stop" and plan.mode != "named" else reason
 
 
 def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
@@ -61,7 +64,7 @@ def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
                 "index": c.index,
                 "message": message,
                 "logprobs": chat_logprobs(c.logprobs),
-                "finish_reason": _finish(c.finish_reason, calls),
+                "finish_reason": _finish(c.finish_reason, calls, gen.tools),
             }
         )
     return {
@@ -129,8 +132,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
         logprobs = chat_logprobs(c.logprobs)
         if self._plan.mode == "named":
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]} if c.text else {}
-            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-            return self._event(c.index, delta, logprobs, finish)
+            return self._event(c.index, delta, logprobs, c.finish_reason)
         if self._plan.mode == "required":
             return self._required_chunk(c, state, logprobs)
         state.text += c.text
@@ -186,7 +188,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
         for k, call in enumerate(calls):
             tool_call = {"index": k, **tool_call_dict(call, self._states[index].call_id if k == 0 else None)}
             out.append(self._event(index, {"tool_calls": [tool_call]}))
-        out.append(self._event(index, {}, logprobs, _finish(reason, calls)))
+        out.append(self._event(index, {}, logprobs, _finish(reason, calls, self._plan)))
         return b"".join(out)
 
 

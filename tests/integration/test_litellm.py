@@ -205,6 +205,7 @@ def test_forced_tool_calls_parse_into_litellm_objects(
         **kw,
     )
     choice = r.choices[0]
+    # litellm turns "stop" with calls into "tool_calls": the gateway's "stop" for a named function too
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert valid_args(call)["city"]
@@ -219,7 +220,7 @@ def test_streamed_tool_call_assembles(kw: dict[str, Any], base: str) -> None:
     ]
     assert len([f for f in fragments if f]) > 1  # the arguments streamed as generated
     built = litellm.stream_chunk_builder(chunks, messages=ASK_WEATHER)
-    assert built.choices[0].finish_reason == "tool_calls"
+    assert built.choices[0].finish_reason == "tool_calls"  # litellm's, from the gateway's "stop" (named)
     (call,) = built.choices[0].message.tool_calls
     assert valid_args(call) == json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
 

@@ -577,10 +577,42 @@ async def test_named_stream_sends_the_name_first_then_argument_fragments() -> No
     fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[2:] if d.get("tool_calls")]
     assert fragments == words  # streamed as generated
     msg = assemble(chunks)[0]
-    assert msg["finish_reason"] == "tool_calls" and msg["content"] is None
+    assert msg["finish_reason"] == "stop" and msg["content"] is None  # a forced call: see below
     assert msg["tool_calls"] == {
         0: {"id": head["id"], "name": "get_weather", "arguments": '{"city": "Paris"}'}
     }
+
+
+@pytest.mark.parametrize(
+    ("choice", "max_tokens", "finish"),
+    [
+        ("named", 4, "stop"),
+        ("named", 2, "length"),
+        ("required", 4, "tool_calls"),
+        ("required", 2, "length"),
+        ("auto", 4, "tool_calls"),
+    ],
+)
+async def test_finish_reason_of_calls_follows_the_tool_choice(
+    choice: str, max_tokens: int, finish: str
+) -> None:
+    """OpenAI's API and vLLM's server end a forced function's call with ``stop``, calls under
+    ``required`` and ``auto`` with ``tool_calls``; ``length`` stays; streamed or not alike."""
+    from gateway.sse_tools import tool_chat_response
+
+    answers = {
+        "named": ['{"city"', ': "Par', 'is"}'],
+        "required": ['[{"name": "get_weather", ', '"arguments": {"city"', ': "Paris"}}]'],
+        "auto": ['{"name": "get_weather", ', '"arguments": {"city"', ': "Paris"}}'],
+    }
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
+    kw: dict[str, Any] = {"tool_choice": tool_choice, "max_tokens": max_tokens}
+    msg = assemble(await stream_chunks(make_gen(answers[choice], **kw)))[0]
+    whole = make_gen(answers[choice], **kw)
+    body = tool_chat_response(whole, await whole.collect())["choices"][0]
+    assert body["finish_reason"] == msg["finish_reason"] == finish
+    (call,) = body["message"]["tool_calls"]  # a call in both, whatever the finish reason
+    assert call["function"]["name"] == msg["tool_calls"][0]["name"] == "get_weather"
 
 
 async def test_required_stream_sends_each_name_then_its_argument_fragments() -> None:
