@@ -12,6 +12,7 @@ Exception tree::
      ├── MethodNotAllowed         405
      ├── PayloadTooLarge          413
      ├── UnsupportedMediaType     415 (a body that is not JSON)
+     ├── CatalogInvalid           422 code=catalog_invalid (a reload's catalog; never raised)
      ├── HeadersTooLarge          431
      ├── RateLimited              429 rate_limit_exceeded (Retry-After)
      ├── EngineUnavailable        503 service_unavailable
@@ -122,6 +123,16 @@ class UnsupportedMediaType(GatewayError):
     status_code = 415
     error_type = "invalid_request_error"
     default_code = "unsupported_media_type"
+
+
+class CatalogInvalid(GatewayError):
+    """``POST /admin/adapters/reload`` read a catalog it could not use; the last good one
+    serves. Not raised: the route adds its reload report (``reloaded``, ``routes``) beside
+    the error, so a client's OpenAI error handling shows the message."""
+
+    status_code = 422
+    error_type = "invalid_request_error"
+    default_code = "catalog_invalid"
 
 
 class HeadersTooLarge(GatewayError):

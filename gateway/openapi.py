@@ -53,7 +53,7 @@ _DESCRIPTIONS = {
     408: "The request body did not arrive within limits.body_timeout_s",
     413: "Request body too large",
     415: "The body is declared as something other than JSON",
-    422: "The reload failed; the previous catalog keeps serving",
+    422: "The reload failed (code catalog_invalid); the previous catalog keeps serving",
     429: "Too many requests in flight (Retry-After)",
     431: "Request headers too large",
     500: "The engine failed during the request",
@@ -191,25 +191,26 @@ _USAGE = _obj(
 )
 _FINISH = {"type": ["string", "null"]}
 # Written by hand: the handlers build these as dicts (protocol, sse, responses_events).
+_ERROR = _closed(
+    _obj(
+        ("message", "type", "param", "code"),
+        message=_STRING,
+        type=_STRING,
+        param=_NULLABLE_STRING,
+        code=_NULLABLE_STRING,
+    )
+)
 _RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "additionalProperties": False,
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type", "param", "code"],
-                "additionalProperties": False,
-                "properties": {
-                    "message": _STRING,
-                    "type": _STRING,
-                    "param": _NULLABLE_STRING,
-                    "code": _NULLABLE_STRING,
-                },
-            }
-        },
-    },
+    "Error": _only("error", _ERROR),
+    # A failed reload: OpenAI's error (code catalog_invalid) and the report, the routes serving.
+    "ReloadError": _closed(
+        _obj(
+            ("error", "reloaded", "routes"),
+            error=_ERROR,
+            reloaded={"type": "boolean", "const": False},
+            routes={"type": "array", "items": _STRING},
+        )
+    ),
     "ChatCompletion": _obj(
         ("id", "object", "created", "model", "choices", "usage"),
         id=_STRING,
@@ -348,7 +349,7 @@ def _error_schema(path: str, status: int) -> str:
     """OpenAI's error object, except where an answer says why in its own shape."""
     if path in ("/health", "/ready") and status == 503:
         return "Status"  # {"status": "starting" | "draining" | "error", ...}; their 431 is an error
-    return "Object" if status == 422 else "Error"  # 422: the reload report
+    return "ReloadError" if status == 422 else "Error"  # 422: only the reload's
 
 
 def _responses(op: Operation, path: str) -> dict[str, Any]:

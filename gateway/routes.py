@@ -18,6 +18,7 @@ from starlette.routing import Route as HttpRoute
 from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
 from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import (
+    CatalogInvalid,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
@@ -525,8 +526,11 @@ async def admin_reload(request: Request) -> Response:
         raise gw.admission.shutting_down()
     ok = await gw.reload_catalog()
     catalog = gw.catalog_or_503()
-    body = {"reloaded": ok, "error": catalog.last_error, "routes": sorted(catalog.table.routes)}
-    return JSONResponse(body, 200 if ok else 422)
+    routes = sorted(catalog.table.routes)
+    if ok:  # ``error``: the entries rejected, on one line, or null
+        return JSONResponse({"reloaded": True, "error": catalog.last_error, "routes": routes})
+    failed = CatalogInvalid(catalog.last_error or "the catalog could not be read")
+    return JSONResponse({**failed.to_dict(), "reloaded": False, "routes": routes}, failed.status_code)
 
 
 ROUTES = [

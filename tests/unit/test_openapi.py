@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ from starlette.routing import Route
 from gateway.openapi import OPERATIONS, build_document
 from gateway.routes import PUBLIC_PATHS, ROUTES
 from tests.helpers import assert_openai_error
-from tests.unit.conftest import Serve
+from tests.unit.conftest import ADMIN, Serve
 
 
 def _operations(document: dict[str, Any]) -> set[tuple[str, str]]:
@@ -147,6 +148,14 @@ async def test_a_400_on_retrieving_a_response_is_documented(serve: Serve, query:
     r = await served.http.get("/v1/responses/resp_1", params=query)
     assert r.status_code == 400
     assert_documented(build_document(ROUTES, PUBLIC_PATHS), "get", "/v1/responses/{response_id}", r)
+
+
+async def test_a_422_on_a_failed_reload_matches_its_documented_schema(serve: Serve, tmp_path: Path) -> None:
+    served = await serve()
+    (tmp_path / "adapters.yaml").write_text("routes: [this is not yaml\n")
+    r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert r.status_code == 422
+    assert_documented(build_document(ROUTES, PUBLIC_PATHS), "post", "/admin/adapters/reload", r)
 
 
 def test_every_operation_with_a_body_documents_408() -> None:

@@ -436,11 +436,14 @@ async def test_reload_with_a_broken_catalog_is_422_and_the_last_good_table_serve
     (tmp_path / "adapters.yaml").write_text("routes: [this is not yaml\n")
     r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
     assert r.status_code == 422
-    body = r.json()
-    assert body["reloaded"] is False and "adapters.yaml" in body["error"]
-    assert body["routes"] == ["concise", "json", "shout"]
+    body = r.json()  # OpenAI's error object, so a client's error handling shows why, and the report
+    assert set(body) == {"error", "reloaded", "routes"}
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "catalog_invalid"
+    assert body["error"]["param"] is None and "adapters.yaml" in body["error"]["message"]
+    assert body["reloaded"] is False and body["routes"] == ["concise", "json", "shout"]
     await still_serves_async(served.http, "shout")
-    assert (await served.http.get("/admin/adapters", headers=ADMIN)).json()["last_error"] == body["error"]
+    last_error = (await served.http.get("/admin/adapters", headers=ADMIN)).json()["last_error"]
+    assert last_error == body["error"]["message"]
     (tmp_path / "adapters.yaml").write_text("")  # an editor's truncate before its write
     assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 422
     await still_serves_async(served.http, "shout")
