@@ -181,6 +181,15 @@ class GatewayMetrics:
             ["route"],
             registry=registry,
         )
+        # Read from the response store at each scrape; responses.max_bytes bounds the bytes.
+        self.responses_stored = Gauge(
+            "gateway_responses_stored", "Responses kept in the /v1/responses store", registry=registry
+        )
+        self.responses_stored_bytes = Gauge(
+            "gateway_responses_stored_bytes",
+            "Bytes (their JSON) the /v1/responses store keeps: what responses.max_bytes bounds",
+            registry=registry,
+        )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
         self._routes: frozenset[str] = frozenset()
 

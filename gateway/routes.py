@@ -459,6 +459,9 @@ async def metrics(request: Request) -> Response:
     m.queued.set(gw.engine.unfinished_requests() or 0)
     m.inflight.set(gw.admission.requests)
     m.inflight_sequences.set(gw.admission.inflight)
+    stored, stored_bytes = gw.responses.usage()
+    m.responses_stored.set(stored)
+    m.responses_stored_bytes.set(stored_bytes)
     # The router view even with scheduling off (nothing queued here then): a router pointed
     # at it (deploy/README.md) must not lose its metrics when the scheduler is switched off.
     queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None
@@ -504,6 +507,7 @@ async def admin_adapters(request: Request) -> Response:
 
 async def admin_status(request: Request) -> Response:
     gw = _gateway(request)
+    stored, stored_bytes = gw.responses.usage()
     return JSONResponse(
         {
             "inflight_requests": gw.admission.requests,
@@ -515,6 +519,7 @@ async def admin_status(request: Request) -> Response:
             "engine_unfinished_requests": gw.engine.unfinished_requests(),
             "lora_scheduler": gw.scheduler.snapshot() if gw.scheduler is not None else None,
             "gc_frozen_objects": gc.get_freeze_count(),
+            "responses_stored": {"count": stored, "bytes": stored_bytes},  # responses.max_bytes bounds
         }
     )
 

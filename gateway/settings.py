@@ -245,6 +245,12 @@ class ResponsesSettings(_Section):
         None, description="SQLite file; empty = <cache_dir>/responses.sqlite3; ':memory:' = not kept"
     )
     ttl_s: float = Field(30 * 24 * 3600, gt=0, description="stored responses expire after this (30 days)")
+    max_bytes: int = Field(
+        1 << 30, ge=0, description="bound on the JSON kept, in bytes (1 GiB); the oldest go first; 0 = none"
+    )
+    max_bytes_per_key: int = Field(
+        0, ge=0, description="one API key's bound, its oldest going first; 0 = none (max_bytes only)"
+    )
 
     def resolved_path(self, cache_dir: Path) -> str:
         if not self.store_path:

@@ -54,8 +54,12 @@ class Gateway:
         bound = settings.limits.max_inflight or 4 * settings.engine.max_num_seqs
         self.admission = Admission(bound, settings.limits.retry_after_s)
         self.metrics = GatewayMetrics()
+        stored = settings.responses
         self.responses = ResponseStore(
-            settings.responses.resolved_path(settings.cache_dir), settings.responses.ttl_s
+            stored.resolved_path(settings.cache_dir),
+            stored.ttl_s,
+            max_bytes=stored.max_bytes,
+            max_bytes_per_key=stored.max_bytes_per_key,
         )
         self.adapters = AdapterSlots(self.engine, self.metrics, settings.engine.gpu_slots)
         self.scheduler = self.adapters.scheduler = lora_scheduler(

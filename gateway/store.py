@@ -8,6 +8,13 @@ conversation so far (the messages that ``previous_response_id`` continues from).
 Rows expire ``ttl_s`` after they are written (OpenAI keeps responses 30 days). Expired
 rows are invisible at once and purged on a later write, at most once a minute.
 
+The store is bounded: ``max_bytes`` in all and ``max_bytes_per_key`` per owner (0: no
+bound), counted as the JSON kept (the response and its conversation). A write that passes a
+bound evicts the oldest rows first (of that owner for its own bound, of anyone for the
+total) until it holds again; a response larger than a bound by itself is not kept. The
+totals are kept as rows come and go (read once, from an index, when the file opens), so a
+write never scans the table; the oldest rows come from an index by age.
+
 SQLite calls block, so the async methods run them in a worker thread
 (``asyncio.to_thread``); one connection, one lock, so calls never interleave. A path of
 ``":memory:"`` keeps everything in memory (tests).
@@ -21,12 +28,13 @@ the busy timeout) is a ``StoreFailed``: an OpenAI-shaped 500 saying so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,10 +48,27 @@ CREATE TABLE IF NOT EXISTS responses (
     expires_at REAL NOT NULL,
     response TEXT NOT NULL,
     history TEXT NOT NULL,
+    created_at REAL NOT NULL DEFAULT 0,
+    size INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (id, owner)
 );
-CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
 """
+# A file written before the bound had no age or size: they are filled in once, at open.
+_UPGRADE = (
+    "ALTER TABLE responses ADD COLUMN created_at REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0",
+)
+_FILL = (
+    "UPDATE responses SET created_at = expires_at - ?,"
+    " size = length(CAST(response AS BLOB)) + length(CAST(history AS BLOB))"
+)
+# Both age indexes carry owner and size, so eviction and the totals at open read no row.
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
+CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, owner, size);
+CREATE INDEX IF NOT EXISTS responses_owner_age ON responses (owner, created_at, size);
+"""
+_EVICT_BATCH = 64
 _PURGE_EVERY_S = 60.0
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,13 +81,27 @@ class Stored:
 
 
 class ResponseStore:
-    def __init__(self, path: str | Path, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        max_bytes: int = 0,
+        max_bytes_per_key: int = 0,
+    ) -> None:
         self.path = str(path)
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.max_bytes_per_key = max_bytes_per_key
         self._clock = clock
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._purged_at = 0.0
+        # Rows and bytes on disk (expired ones until purged), in all and per owner; None
+        # until read from the file (at its first use).
+        self._bytes: dict[str, int] | None = None
+        self._rows = 0
+        self._total = 0
 
     # -- async API (for handlers) -----------------------------------------------------
     async def open(self) -> None:
@@ -97,14 +136,25 @@ class ResponseStore:
 
     def put_now(self, owner: str, response: dict[str, Any], history: list[dict[str, str]]) -> None:
         now = self._clock()
-        row = (response["id"], owner, now + self.ttl_s, json.dumps(response), json.dumps(history))
-        with self._lock:
-            db = self._connect()
-            with db:
-                db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)", row)
-                if now - self._purged_at >= _PURGE_EVERY_S:
-                    db.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
-                    self._purged_at = now
+        kept, conversation = json.dumps(response), json.dumps(history)
+        size = len(kept) + len(conversation)  # ASCII (json.dumps escapes the rest): bytes
+        bounds = [bound for bound in (self.max_bytes, self.max_bytes_per_key) if bound]
+        if bounds and size > min(bounds):
+            log.warning("response %s of %d bytes is over the store's bound: not stored", response["id"], size)
+            return
+        row = (response["id"], owner, now + self.ttl_s, kept, conversation, now, size)
+        with self._write() as db:
+            self._drop(db, "DELETE FROM responses WHERE id = ? AND owner = ?", (response["id"], owner))
+            db.execute(
+                "INSERT INTO responses (id, owner, expires_at, response, history, created_at, size)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
+            self._count(owner, 1, size)
+            if now - self._purged_at >= _PURGE_EVERY_S:
+                self._drop(db, "DELETE FROM responses WHERE expires_at <= ?", (now,))
+                self._purged_at = now
+            self._evict(db, owner)
 
     def get_now(self, owner: str, response_id: str) -> Stored | None:
         with self._lock:
@@ -121,20 +171,82 @@ class ResponseStore:
         return Stored(json.loads(found[0]), json.loads(found[1]))
 
     def delete_now(self, owner: str, response_id: str) -> bool:
-        with self._lock:
-            db = self._connect()
-            with db:
-                cursor = db.execute(
-                    "DELETE FROM responses WHERE id = ? AND owner = ? AND expires_at > ?",
-                    (response_id, owner, self._clock()),
-                )
-        return cursor.rowcount > 0
+        with self._write() as db:
+            return self._drop(
+                db,
+                "DELETE FROM responses WHERE id = ? AND owner = ? AND expires_at > ?",
+                (response_id, owner, self._clock()),
+            )
 
     def count_now(self) -> int:
         """Rows on disk, expired or not (for tests of the purge)."""
         with self._lock:
             (count,) = self._connect().execute("SELECT COUNT(*) FROM responses").fetchone()
         return int(count)
+
+    def usage(self) -> tuple[int, int]:
+        """Rows and bytes kept (expired ones until purged); read without the lock, so a
+        scrape never waits on the disk."""
+        return self._rows, self._total
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One transaction, under the lock; a failed one leaves the totals as they were."""
+        with self._lock:
+            db = self._connect()
+            assert self._bytes is not None
+            before = dict(self._bytes), self._rows, self._total  # a dict per key: a few entries
+            try:
+                with db:
+                    yield db
+            except BaseException:
+                self._bytes, self._rows, self._total = before
+                raise
+
+    def _drop(self, db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> bool:
+        """Run a DELETE and take its rows off the totals; whether it removed any."""
+        gone = db.execute(f"{sql} RETURNING owner, size", args).fetchall()
+        for owner, size in gone:
+            self._count(owner, -1, -size)
+        return bool(gone)
+
+    def _evict(self, db: sqlite3.Connection, owner: str) -> None:
+        """The oldest rows until the bounds hold: the owner's own first, then anyone's."""
+        assert self._bytes is not None
+        if self.max_bytes_per_key:
+            over = self._bytes.get(owner, 0) - self.max_bytes_per_key
+            self._evict_oldest(db, over, "WHERE owner = ?", (owner,))
+        if self.max_bytes:
+            self._evict_oldest(db, self._total - self.max_bytes, "", ())
+
+    def _evict_oldest(self, db: sqlite3.Connection, over: int, where: str, args: tuple[Any, ...]) -> None:
+        evicted = 0
+        while over > 0:
+            oldest = db.execute(
+                f"SELECT rowid, size FROM responses {where} ORDER BY created_at LIMIT {_EVICT_BATCH}", args
+            ).fetchall()
+            if not oldest:
+                return
+            rowids = []
+            for rowid, size in oldest:
+                if over <= 0:
+                    break
+                rowids.append(rowid)
+                over -= size
+            marks = ", ".join("?" * len(rowids))
+            self._drop(db, f"DELETE FROM responses WHERE rowid IN ({marks})", tuple(rowids))
+            evicted += len(rowids)
+        log.debug("response store: evicted the %d oldest responses to stay under its bound", evicted)
+
+    def _count(self, owner: str, rows: int, size: int) -> None:
+        assert self._bytes is not None
+        self._rows += rows
+        self._total += size
+        left = self._bytes.get(owner, 0) + size
+        if rows < 0 and not left:
+            self._bytes.pop(owner, None)  # no entry per owner that ever stored
+        else:
+            self._bytes[owner] = left
 
     def close(self) -> None:
         with self._lock:
@@ -150,5 +262,16 @@ class ResponseStore:
             db = sqlite3.connect(self.path, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer
             db.executescript(_SCHEMA)
+            if "size" not in {column[1] for column in db.execute("PRAGMA table_info(responses)")}:
+                with db:
+                    for statement in _UPGRADE:
+                        db.execute(statement)
+                    db.execute(_FILL, (self.ttl_s,))  # its age as if written under this ttl
+            db.executescript(_INDEXES)
             self._db = db
+        if self._bytes is None:
+            totals = self._db.execute("SELECT owner, COUNT(*), SUM(size) FROM responses GROUP BY owner")
+            self._bytes, self._rows, self._total = {}, 0, 0
+            for owner, rows, size in totals.fetchall():
+                self._count(owner, rows, size)
         return self._db

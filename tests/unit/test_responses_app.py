@@ -25,6 +25,7 @@ from gateway.types import Constraint, LoraSpec, SamplingSpec, StepOutput
 from tests.unit.fakes import FakeEngine
 
 ALICE, BOB = "sk-alice-000000001", "sk-bob-0000000001"
+ADMIN = {"name": "ops", "key": "sk-ops-0000000001"}
 
 
 class ReadyEngine(FakeEngine):
@@ -52,7 +53,7 @@ class FailingEngine(ReadyEngine):
 
 
 def make_app(engine: ReadyEngine) -> TestClient:
-    keys = [{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]
+    keys = [{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}, {**ADMIN, "admin": True}]
     settings = GatewaySettings(auth={"keys": keys}, responses={"store_path": ":memory:"})
     app = create_app(settings, engine)  # type: ignore[arg-type]  # generation and readiness only
     routes = {"shout": Route(name="shout", kind="preset", tasks=("yell",))}
@@ -371,6 +372,45 @@ def test_continuing_a_response_that_is_not_stored_is_openais_400(
             "param": "previous_response_id",
             "code": "previous_response_not_found",
         }
+
+
+def test_an_evicted_response_is_as_unknown_as_one_never_stored(http_nolife: TestClient) -> None:
+    """Over ``responses.max_bytes_per_key`` the key's oldest response goes: retrieving or
+    continuing it then answers exactly as for an id never stored (404; OpenAI's 400)."""
+    store = http_nolife.app.state.gateway.responses  # type: ignore[attr-defined]
+    alice, bob = sdk(http_nolife, ALICE), sdk(http_nolife, BOB)
+    kept = bob.responses.create(model="base-model", input="Hi")
+    bobs = store.usage()[1]
+    first = alice.responses.create(model="base-model", input="Hi")
+    store.max_bytes_per_key = (store.usage()[1] - bobs) * 3 // 2  # room for one of alice's, not two
+    second = alice.responses.create(model="base-model", input="Hi")
+    assert alice.responses.retrieve(second.id).id == second.id
+    assert bob.responses.retrieve(kept.id).id == kept.id  # another key's bound is its own
+    with pytest.raises(openai.NotFoundError) as gone:
+        alice.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        alice.responses.retrieve("resp_" + "0" * (len(first.id) - 5))
+    assert gone.value.body == {  # type: ignore[comparison-overlap]
+        **unknown.value.body,  # type: ignore[dict-item]
+        "message": f"Response with id '{first.id}' not found.",
+    }
+    for missing in (first.id, "resp_nope"):
+        r = http_nolife.post(
+            "/v1/responses",
+            json={"model": "base-model", "input": "And?", "previous_response_id": missing},
+            headers={"Authorization": f"Bearer {ALICE}"},
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"Previous response with id '{missing}' not found.",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": "previous_response_not_found",
+        }
+    status = http_nolife.get("/admin/status", headers={"Authorization": f"Bearer {ADMIN['key']}"})
+    assert status.json()["responses_stored"] == {"count": 2, "bytes": store.usage()[1]}
+    metrics = http_nolife.get("/metrics", headers={"Authorization": f"Bearer {ADMIN['key']}"}).text
+    assert "gateway_responses_stored 2.0" in metrics.splitlines()
 
 
 def test_a_store_that_cannot_write_is_a_500_saying_so(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.errors import ConfigError, StoreFailed
 from gateway.settings import GatewaySettings, ResponsesSettings
@@ -130,3 +132,124 @@ async def test_a_failure_later_is_store_failed_not_an_internal_error(tmp_path: P
         other.close()
     await store.put("alice", response("resp_2"), HISTORY)  # and works again once it is free
     assert await store.get("alice", "resp_2") is not None
+
+
+def size_of(rid: str = "resp_1", history: list[dict[str, str]] = HISTORY) -> int:
+    """What a row counts against the bounds: its JSON."""
+    return len(json.dumps(response(rid))) + len(json.dumps(history))
+
+
+def ids(store: ResponseStore, owner: str, *rids: str) -> list[str]:
+    return [rid for rid in rids if store.get_now(owner, rid) is not None]
+
+
+def test_over_max_bytes_the_oldest_go_first_whoever_wrote_them() -> None:
+    clock = Clock()
+    store = ResponseStore(":memory:", ttl_s=600, clock=clock, max_bytes=3 * size_of("resp_1"))
+    for owner, rid in (("alice", "resp_1"), ("bob", "resp_2"), ("alice", "resp_3")):
+        store.put_now(owner, response(rid), HISTORY)
+        clock.now += 1
+    assert store.usage() == (3, 3 * size_of("resp_1"))  # at the bound, nothing goes
+    store.put_now("bob", response("resp_4"), HISTORY)
+    assert ids(store, "alice", "resp_1", "resp_3") == ["resp_3"]
+    assert ids(store, "bob", "resp_2", "resp_4") == ["resp_2", "resp_4"]
+    assert store.usage() == (3, 3 * size_of("resp_1")) and store.count_now() == 3
+    clock.now += 1
+    big = HISTORY * 2  # one row that needs the room of two
+    store.put_now("alice", response("resp_5"), big)
+    assert ids(store, "bob", "resp_2", "resp_4") == ["resp_4"]  # resp_2 alone was not enough room
+    assert ids(store, "alice", "resp_3", "resp_5") == ["resp_5"]
+    assert store.usage() == (2, size_of("resp_4") + size_of("resp_5", big))
+
+
+def test_a_keys_bound_evicts_its_own_oldest_only() -> None:
+    clock = Clock()
+    store = ResponseStore(":memory:", ttl_s=600, clock=clock, max_bytes_per_key=2 * size_of("resp_1"))
+    store.put_now("bob", response("resp_0"), HISTORY)
+    for rid in ("resp_1", "resp_2", "resp_3", "resp_4"):
+        clock.now += 1
+        store.put_now("alice", response(rid), HISTORY)
+    assert ids(store, "alice", "resp_1", "resp_2", "resp_3", "resp_4") == ["resp_3", "resp_4"]
+    assert ids(store, "bob", "resp_0") == ["resp_0"]  # older than all of them, and kept
+    assert store.usage() == (3, 3 * size_of("resp_1"))
+
+
+def test_a_response_over_a_bound_by_itself_is_not_kept_and_evicts_nothing() -> None:
+    store = ResponseStore(":memory:", ttl_s=600, max_bytes=10 * size_of(), max_bytes_per_key=size_of())
+    store.put_now("alice", response("resp_1"), HISTORY)
+    store.put_now("alice", response("resp_2"), HISTORY * 2)
+    assert ids(store, "alice", "resp_1", "resp_2") == ["resp_1"]
+    assert store.usage() == (1, size_of())
+
+
+def test_no_bound_keeps_everything() -> None:
+    store = ResponseStore(":memory:", ttl_s=600, max_bytes=0, max_bytes_per_key=0)
+    for n in range(100):
+        store.put_now("alice", response(f"resp_{n}"), HISTORY * 10)
+    assert store.count_now() == 100 and store.usage()[0] == 100
+
+
+def test_the_totals_follow_deletes_purges_replaces_and_reopens(tmp_path: Path) -> None:
+    clock = Clock()
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(path, ttl_s=10, clock=clock, max_bytes=1 << 20)
+    store.put_now("alice", response("resp_1"), HISTORY)
+    store.put_now("alice", response("resp_1"), HISTORY * 2)  # the same id again replaces it
+    store.put_now("bob", response("resp_2"), HISTORY)
+    assert store.usage() == (2, size_of("resp_1", HISTORY * 2) + size_of("resp_2"))
+    assert store.delete_now("bob", "resp_2")
+    assert store.usage() == (1, size_of("resp_1", HISTORY * 2))
+    store.close()
+    again = ResponseStore(path, ttl_s=10, clock=clock, max_bytes=1 << 20)
+    again.open_now()
+    assert again.usage() == (1, size_of("resp_1", HISTORY * 2))  # read back from the file
+    clock.now += 60  # resp_1 expired; the next write purges it
+    again.put_now("bob", response("resp_3"), HISTORY)
+    assert again.usage() == (1, size_of("resp_3")) == (again.count_now(), size_of("resp_3"))
+
+
+def test_a_failed_write_leaves_the_totals_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ResponseStore(":memory:", ttl_s=600, max_bytes=2 * size_of())
+    store.put_now("alice", response("resp_1"), HISTORY)
+    store.put_now("alice", response("resp_2"), HISTORY)
+
+    def full(*args: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "_evict", full)  # the insert is rolled back with it
+    with pytest.raises(sqlite3.OperationalError):
+        store.put_now("alice", response("resp_3"), HISTORY)
+    monkeypatch.undo()
+    assert store.usage() == (2, 2 * size_of()) and ids(store, "alice", "resp_1", "resp_2", "resp_3") == [
+        "resp_1",
+        "resp_2",
+    ]
+
+
+def test_a_file_from_before_the_bound_is_upgraded_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE responses (id TEXT NOT NULL, owner TEXT NOT NULL, expires_at REAL NOT NULL,"
+        " response TEXT NOT NULL, history TEXT NOT NULL, PRIMARY KEY (id, owner));"
+    )
+    for rid, expires in (("resp_1", 1600.0), ("resp_2", 1700.0)):
+        old.execute(
+            "INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
+            (rid, "alice", expires, json.dumps(response(rid)), json.dumps(HISTORY)),
+        )
+    old.commit()
+    old.close()
+    store = ResponseStore(path, ttl_s=1000, clock=Clock(), max_bytes=2 * size_of())
+    store.open_now()
+    assert store.usage() == (2, 2 * size_of())
+    store.put_now("alice", response("resp_3"), HISTORY)  # the oldest by its written age goes
+    assert ids(store, "alice", "resp_1", "resp_2", "resp_3") == ["resp_2", "resp_3"]
+
+
+def test_bound_settings() -> None:
+    assert ResponsesSettings().max_bytes == 1 << 30 and ResponsesSettings().max_bytes_per_key == 0
+    settings = GatewaySettings(responses={"max_bytes": 0, "max_bytes_per_key": 4096})
+    assert (settings.responses.max_bytes, settings.responses.max_bytes_per_key) == (0, 4096)
+    with pytest.raises(ValidationError):
+        ResponsesSettings(max_bytes=-1)
