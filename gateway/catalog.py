@@ -375,16 +375,30 @@ class LoraIds:
     """Engine LoRA ids by content digest and pin: same files, same id; changed files, new id.
     vLLM can pin an adapter but not unpin it, so the pin is part of the version too: a route
     pinned or unpinned gets a new id on the same files, and the old version drains and
-    leaves the engine (its pin with it), as after an edit."""
+    leaves the engine (its pin with it), as after an edit.
+
+    A version that left the engine (or never reached it) is forgotten (``keep``), so an
+    operator editing adapters all day does not grow this map. Its number is never given
+    again: vLLM keys its adapter caches by ``lora_int_id``, so files that come back later
+    are a new version under a new id, loaded afresh."""
 
     def __init__(self) -> None:
         self._ids: dict[tuple[str, bool], int] = {}
+        self._last = 0
 
     def id_for(self, digest: str, pinned: bool) -> int:
         key = (digest, pinned)
         if key not in self._ids:
-            self._ids[key] = len(self._ids) + 1
+            self._last += 1
+            self._ids[key] = self._last
         return self._ids[key]
+
+    def keep(self, lora_ids: set[int]) -> None:
+        """Forget every version but those of ``lora_ids``."""
+        self._ids = {key: i for key, i in self._ids.items() if i in lora_ids}
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 # -- the live catalog ------------------------------------------------------------------
@@ -479,8 +493,10 @@ class Catalog:
             except ConfigError as exc:
                 self.last_error = str(exc)
                 log.error("catalog reload failed, keeping the last good table: %s", exc)
+                self._forget_ids()  # those the failed build gave out
                 return False
             self._swap(await self._register(table))
+            self._forget_ids()  # those of versions that left, or that the engine refused
             return True
 
     def _swap(self, table: RoutingTable) -> None:
@@ -510,6 +526,7 @@ class Catalog:
                 _log_news(table, self.table)  # the engine's refusals
                 self.table = table
                 self.last_error = _errors_line(table)
+                self._forget_ids()
 
     async def _register(self, table: RoutingTable) -> RoutingTable:
         """The one adapter policy, at start and at every reload: each LoRA route's weights
@@ -543,7 +560,17 @@ class Catalog:
                 if self._remove_lora is not None:
                     await self._remove_lora(lora_id)
                 removed.append(lora_id)
+            self._forget_ids()
             return removed
+
+    def _forget_ids(self) -> None:
+        """Forget the versions the engine does not hold and will not be asked for: not live,
+        not running, not waiting to drain or leave. One that drains keeps its id, so its files
+        restored before it leaves are that version again (``_swap``). Under the lock, so no
+        table built but not yet swapped in holds an id forgotten here."""
+        self._ids.keep(
+            _lora_ids(self.table) | self._in_use.keys() | self._retired | set(self._pending_removal)
+        )
 
     def in_use(self) -> dict[int, int]:
         return dict(self._in_use)

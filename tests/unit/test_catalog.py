@@ -19,7 +19,7 @@ from gateway import catalog as catalog_module
 from gateway.adapter_slots import AdapterSlots
 from gateway.adapters_check import AdapterInfo, ModelShapes, safe_adapter_path
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
-from gateway.errors import ConfigError, InvalidRequest, ModelNotFound
+from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.snapshots import SnapshotDir
 from tests.unit.fakes import FakeEngine
@@ -405,6 +405,56 @@ async def test_changed_files_get_a_new_id_and_the_old_drains(tmp_path: Path, roo
     assert catalog.in_use() == {}
 
 
+def test_lora_ids_forget_but_never_give_a_number_twice() -> None:
+    ids = LoraIds()
+    assert [ids.id_for("a", False), ids.id_for("a", True), ids.id_for("b", False)] == [1, 2, 3]
+    assert ids.id_for("a", False) == 1  # same files, same pin: same id
+    ids.keep({3})
+    assert len(ids) == 1 and ids.id_for("b", False) == 3
+    assert ids.id_for("a", False) == 4  # the files are back: a new version, never 1 again
+
+
+async def test_versions_that_left_the_engine_are_forgotten(tmp_path: Path, root: Path) -> None:
+    """An operator editing an adapter all day: the ids kept stay those the engine may hold."""
+    catalog, _ = live_catalog(tmp_path, root, [])
+    weights = str(root / "shout" / "adapter_model.safetensors")
+    first = catalog.table.resolve("shout").lora
+    assert first is not None and len(catalog._ids) == 2  # shout and json
+    lease = catalog.acquire("shout")
+    for n in range(5):
+        save_file(lora_tensors(8, ["q_proj", "v_proj"], f"edit {n}"), weights)
+        assert await catalog.reload()
+        await catalog.remove_drained()
+    assert len(catalog._ids) == 3  # json, the live shout, and the one a request still runs on
+    save_file(lora_tensors(8, ["q_proj", "v_proj"], "shout"), weights)  # make_adapter's bytes again
+    assert await catalog.reload()
+    assert catalog.table.resolve("shout").lora == first  # back while it drains: that version again
+    lease.release()
+    save_file(lora_tensors(8, ["q_proj", "v_proj"], "edit 5"), weights)
+    assert await catalog.reload() and first.lora_id in await catalog.remove_drained()
+    last = catalog.table.resolve("shout").lora
+    assert last is not None and len(catalog._ids) == 2
+    save_file(lora_tensors(8, ["q_proj", "v_proj"], "shout"), weights)
+    assert await catalog.reload()
+    back = catalog.table.resolve("shout").lora
+    assert back is not None and back.lora_id > last.lora_id  # after it left: a new number
+
+
+async def test_a_version_the_engine_refused_is_forgotten(tmp_path: Path, root: Path) -> None:
+    path = write_catalog(tmp_path, CATALOG)
+
+    async def add(route: Any) -> None:
+        if route.name == "json":
+            raise GatewayError("no room")
+
+    catalog = Catalog(table_builder(path, root), None, add)
+    await catalog.load_adapters()
+    assert "json" in catalog.table.errors and len(catalog._ids) == 1
+    assert await catalog.reload() and "json" in catalog.table.errors and len(catalog._ids) == 1
+    path.write_text("routes: [oops\n")  # a build that fails gives out nothing that stays
+    assert not await catalog.reload() and len(catalog._ids) == 1
+
+
 async def test_a_rejected_entry_is_logged_once_while_it_stays_rejected(
     tmp_path: Path, root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -446,7 +496,8 @@ class GatedRemoval(FakeEngine):
 
 async def test_a_version_restored_while_it_is_being_removed_stays_loaded(tmp_path: Path, root: Path) -> None:
     """The watcher removes a drained version while an admin reload brings its files back: the
-    reload waits for the removal, then loads the version again (from a fresh copy)."""
+    reload waits for the removal, then loads the files again (from a fresh copy), as a new
+    version: an id the engine dropped is never given again (vLLM caches by it)."""
     path = write_catalog(tmp_path, CATALOG)
     engine = GatedRemoval()
     snapshots = SnapshotDir(tmp_path / "cache")
@@ -471,7 +522,8 @@ async def test_a_version_restored_while_it_is_being_removed_stays_loaded(tmp_pat
     assert v1 is not None and await removing == [v1.lora_id]
     assert await reloading
     live = catalog.table.resolve("shout").lora
-    assert live == v1 and live.lora_id in engine.loras
+    assert live is not None and live.lora_id in engine.loras
+    assert live.lora_id > v1.lora_id and (live.name, live.path) == (v1.name, v1.path)
     assert Path(live.path).is_dir()
     snapshots.close()
 
