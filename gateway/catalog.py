@@ -41,7 +41,7 @@ from gateway.adapters_check import (
 from gateway.catalog_file import CatalogFile, RouteEntry, SamplingDefaults, ToolParser
 from gateway.errors import ConfigError, GatewayError, InvalidRequest, ModelNotFound
 from gateway.snapshots import SnapshotDir
-from gateway.structured import route_constraint, schema_file_path
+from gateway.structured import route_constraint, schema_watch_paths
 from gateway.types import Constraint, LoraSpec
 
 log = logging.getLogger(__name__)
@@ -208,13 +208,14 @@ def load_table(
 
 def _schema_files(entries: list[dict[str, Any]], configs_dir: Path) -> frozenset[Path]:
     """The files the entries' ``response_format: "file:<path>"`` values name, whether or not
-    they exist yet (a fix to a rejected entry may be the file appearing)."""
-    files = set()
+    they exist yet (a fix to a rejected entry may be the file appearing), and the links on
+    the way to them."""
+    files: set[Path] = set()
     for item in entries:
         value = item.get("response_format") if isinstance(item, dict) else None
         if isinstance(value, str):
             with suppress(ConfigError):  # not under the catalog's folder: the entry's error
-                files.add(schema_file_path(value, configs_dir))
+                files.update(schema_watch_paths(value, configs_dir))
     return frozenset(files)
 
 

@@ -671,12 +671,24 @@ def schema_file_path(value: str, configs_dir: Path) -> Path:
         raise ConfigError("response_format: a string must be 'file:<path under the catalog folder>'")
     try:
         root = configs_dir.resolve()
-        path = (root / value.removeprefix("file:").strip()).resolve()
+        path = (root / _named(value)).resolve()
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
         raise ConfigError(f"response_format: {value}: {exc}") from None
     if not path.is_relative_to(root):
         raise ConfigError(f"response_format: {value} is outside {root}")
     return path
+
+
+def schema_watch_paths(value: str, configs_dir: Path) -> tuple[Path, ...]:
+    """What a reload must follow for a ``file:<path>`` value: the file it reads and, where it
+    differs, the path as named (a link there, re-pointed, changes what is read)."""
+    read = schema_file_path(value, configs_dir)
+    named = configs_dir.absolute() / _named(value)
+    return (read,) if named == read else (read, named)
+
+
+def _named(value: str) -> str:
+    return value.removeprefix("file:").strip()
 
 
 def _schema_file(value: str, configs_dir: Path) -> dict[str, Any]:

@@ -165,6 +165,31 @@ async def test_a_file_schema_that_appears_or_changes_goes_live(tmp_path: Path, w
         assert await within(2.0, lambda: schema_of(rig, "answers") == second)
 
 
+async def test_a_file_schema_behind_a_link_goes_live_when_the_link_is_repointed(tmp_path: Path) -> None:
+    """``file:schemas/current.json``, a link to the version in use: re-pointing it (``ln -sfn``)
+    changes what is read, though neither file changed. Only the file it pointed to was
+    watched, so the old schema kept serving until another edit."""
+    versions = [{"type": "object", "properties": {k: {"type": "string"}}, "required": [k]} for k in "ab"]
+    async with watching(tmp_path) as rig:
+        folder = rig.catalog_path.parent / "schemas"
+        folder.mkdir()
+        for n, schema in enumerate(versions):
+            (folder / f"v{n}.json").write_text(json.dumps(schema))
+        (folder / "current.json").symlink_to("v0.json")
+        entry = '  - {name: answers, system_prompt: JSON., response_format: "file:schemas/current.json"}\n'
+        rig.catalog_path.write_text(CATALOG + entry)
+        assert await within(2.0, lambda: schema_of(rig, "answers") == versions[0])
+        # Settle: the watch set up again for the schema's folder reloads once more, as the catalog
+        # was written less than a second (the clock slack) before it was read.
+        assert await within(5.0, lambda: rig.reloads >= 2)
+        await asyncio.sleep(0.3)
+        reloads = rig.reloads
+        (folder / "next.json").symlink_to("v1.json")
+        (folder / "next.json").rename(folder / "current.json")  # ln -sfn: one rename
+        assert await within(2.0, lambda: schema_of(rig, "answers") == versions[1])
+        assert rig.reloads > reloads
+
+
 async def test_sighup_reloads_with_no_file_change(tmp_path: Path) -> None:
     async with watching(tmp_path) as rig:
         rig.reload_now.set()
