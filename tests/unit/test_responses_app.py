@@ -351,6 +351,22 @@ def test_store_false_keeps_nothing(http_nolife: TestClient) -> None:
         client.responses.retrieve(made.id)
 
 
+def assert_previous_not_found(http: TestClient, missing: str) -> None:
+    """Alice continuing ``missing`` gets OpenAI's 400 for a response it does not have."""
+    r = http.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": "And?", "previous_response_id": missing},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {
+        "message": f"Previous response with id '{missing}' not found.",
+        "type": "invalid_request_error",
+        "param": "previous_response_id",
+        "code": "previous_response_not_found",
+    }
+
+
 @pytest.mark.parametrize("store", [False, True])
 def test_continuing_a_response_that_is_not_stored_is_openais_400(
     http_nolife: TestClient, store: bool
@@ -360,18 +376,7 @@ def test_continuing_a_response_that_is_not_stored_is_openais_400(
     if store:
         client.responses.delete(made.id)
     for missing in (made.id, "resp_nope", "", "not an id"):
-        r = http_nolife.post(
-            "/v1/responses",
-            json={"model": "base-model", "input": "And?", "previous_response_id": missing},
-            headers={"Authorization": f"Bearer {ALICE}"},
-        )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"] == {
-            "message": f"Previous response with id '{missing}' not found.",
-            "type": "invalid_request_error",
-            "param": "previous_response_id",
-            "code": "previous_response_not_found",
-        }
+        assert_previous_not_found(http_nolife, missing)
 
 
 def test_an_evicted_response_is_as_unknown_as_one_never_stored(http_nolife: TestClient) -> None:
@@ -395,18 +400,7 @@ def test_an_evicted_response_is_as_unknown_as_one_never_stored(http_nolife: Test
         "message": f"Response with id '{first.id}' not found.",
     }
     for missing in (first.id, "resp_nope"):
-        r = http_nolife.post(
-            "/v1/responses",
-            json={"model": "base-model", "input": "And?", "previous_response_id": missing},
-            headers={"Authorization": f"Bearer {ALICE}"},
-        )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"] == {
-            "message": f"Previous response with id '{missing}' not found.",
-            "type": "invalid_request_error",
-            "param": "previous_response_id",
-            "code": "previous_response_not_found",
-        }
+        assert_previous_not_found(http_nolife, missing)
     status = http_nolife.get("/admin/status", headers={"Authorization": f"Bearer {ADMIN['key']}"})
     assert status.json()["responses_stored"] == {"count": 2, "bytes": store.usage()[1]}
     metrics = http_nolife.get("/metrics", headers={"Authorization": f"Bearer {ADMIN['key']}"}).text
