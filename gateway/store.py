@@ -12,8 +12,11 @@ The store is bounded: ``max_bytes`` in all and ``max_bytes_per_key`` per owner (
 bound), counted as the JSON kept (the response and its conversation). A write that passes a
 bound evicts the oldest rows first (of that owner for its own bound, of anyone for the
 total) until it holds again; a response larger than a bound by itself is not kept. The
-totals are kept as rows come and go (read once, from an index, when the file opens), so a
-write never scans the table; the oldest rows come from an index by age.
+totals are kept as rows come and go (read from an index when the file opens, and again when
+another process, a second gateway on the same file, wrote it since: SQLite's ``data_version``),
+so a write never scans the table; the oldest rows come from an index by age. Each write is
+one ``BEGIN IMMEDIATE`` transaction, so no other process writes between its count and its
+evictions.
 
 SQLite calls block, so the async methods run them in a worker thread
 (``asyncio.to_thread``); one connection, one lock, so calls never interleave. A path of
@@ -54,10 +57,10 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 """
 # A file written before the bound had no age or size: they are filled in once, at open.
-_UPGRADE = (
-    "ALTER TABLE responses ADD COLUMN created_at REAL NOT NULL DEFAULT 0",
-    "ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0",
-)
+_UPGRADE = {
+    "created_at": "ALTER TABLE responses ADD COLUMN created_at REAL NOT NULL DEFAULT 0",
+    "size": "ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0",
+}
 _FILL = (
     "UPDATE responses SET created_at = expires_at - ?,"
     " size = length(CAST(response AS BLOB)) + length(CAST(history AS BLOB))"
@@ -102,6 +105,7 @@ class ResponseStore:
         self._bytes: dict[str, int] | None = None
         self._rows = 0
         self._total = 0
+        self._version = -1  # the file's data_version the totals were read at
 
     # -- async API (for handlers) -----------------------------------------------------
     async def open(self) -> None:
@@ -194,13 +198,17 @@ class ResponseStore:
         """One transaction, under the lock; a failed one leaves the totals as they were."""
         with self._lock:
             db = self._connect()
-            assert self._bytes is not None
-            before = dict(self._bytes), self._rows, self._total  # a dict per key: a few entries
+            before = None
             try:
                 with db:
+                    db.execute("BEGIN IMMEDIATE")  # another process's writes wait until this commits
+                    self._read_totals(db)
+                    assert self._bytes is not None
+                    before = dict(self._bytes), self._rows, self._total  # a dict per key: a few entries
                     yield db
             except BaseException:
-                self._bytes, self._rows, self._total = before
+                if before is not None:
+                    self._bytes, self._rows, self._total = before
                 raise
 
     def _drop(self, db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> bool:
@@ -262,16 +270,39 @@ class ResponseStore:
             db = sqlite3.connect(self.path, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer
             db.executescript(_SCHEMA)
-            if "size" not in {column[1] for column in db.execute("PRAGMA table_info(responses)")}:
-                with db:
-                    for statement in _UPGRADE:
-                        db.execute(statement)
-                    db.execute(_FILL, (self.ttl_s,))  # its age as if written under this ttl
+            if _missing_columns(db):
+                self._upgrade(db)
             db.executescript(_INDEXES)
             self._db = db
         if self._bytes is None:
-            totals = self._db.execute("SELECT owner, COUNT(*), SUM(size) FROM responses GROUP BY owner")
-            self._bytes, self._rows, self._total = {}, 0, 0
-            for owner, rows, size in totals.fetchall():
-                self._count(owner, rows, size)
+            self._read_totals(self._db)
         return self._db
+
+    def _upgrade(self, db: sqlite3.Connection) -> None:
+        """Add the columns an older file lacks, in one transaction. SQLite's ALTERs would
+        each commit by themselves; under the write lock a second gateway opening the file at
+        once waits, then finds them there (checked again) instead of a duplicate column."""
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            missing = _missing_columns(db)
+            for column in missing:
+                db.execute(_UPGRADE[column])
+            if missing:
+                db.execute(_FILL, (self.ttl_s,))  # its age as if written under this ttl
+
+    def _read_totals(self, db: sqlite3.Connection) -> None:
+        """The totals from the file, unless they are current: nothing but this connection
+        wrote it since they were read (its own commits leave ``data_version`` as it was)."""
+        (version,) = db.execute("PRAGMA data_version").fetchone()
+        if version == self._version and self._bytes is not None:
+            return
+        totals = db.execute("SELECT owner, COUNT(*), SUM(size) FROM responses GROUP BY owner").fetchall()
+        # Built aside, then set: a scrape (``usage``, no lock) never sees them half read.
+        per_key = {owner: size for owner, _, size in totals}
+        self._bytes, self._rows, self._total = per_key, sum(t[1] for t in totals), sum(per_key.values())
+        self._version = version
+
+
+def _missing_columns(db: sqlite3.Connection) -> list[str]:
+    have = {column[1] for column in db.execute("PRAGMA table_info(responses)")}
+    return [column for column in _UPGRADE if column not in have]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -251,5 +252,79 @@ def test_bound_settings() -> None:
     assert ResponsesSettings().max_bytes == 1 << 30 and ResponsesSettings().max_bytes_per_key == 0
     settings = GatewaySettings(responses={"max_bytes": 0, "max_bytes_per_key": 4096})
     assert (settings.responses.max_bytes, settings.responses.max_bytes_per_key) == (0, 4096)
-    with pytest.raises(ValidationError):
-        ResponsesSettings(max_bytes=-1)
+    for field in ("max_bytes", "max_bytes_per_key"):
+        with pytest.raises(ValidationError, match="greater than or equal to 0"):
+            ResponsesSettings(**{field: -1})
+
+
+def old_file(path: Path) -> None:
+    """A store file as written before the bound: five columns, one row."""
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE responses (id TEXT NOT NULL, owner TEXT NOT NULL, expires_at REAL NOT NULL,"
+        " response TEXT NOT NULL, history TEXT NOT NULL, PRIMARY KEY (id, owner));"
+    )
+    old.execute(
+        "INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
+        ("resp_1", "alice", 1600.0, json.dumps(response()), json.dumps(HISTORY)),
+    )
+    old.commit()
+    old.close()
+
+
+def test_two_gateways_opening_an_old_file_at_once_both_open(tmp_path: Path) -> None:
+    """The upgrade is one transaction that checks the columns again under the write lock, so
+    the second opener waits and finds it done rather than failing on a duplicate column."""
+
+    def open_it(store: ResponseStore, start: threading.Barrier, failed: list[sqlite3.Error]) -> None:
+        start.wait()
+        try:
+            store.open_now()
+        except sqlite3.Error as exc:
+            failed.append(exc)
+
+    for n in range(20):  # the race is lost most times without that lock; each round alike
+        path = tmp_path / f"responses{n}.sqlite3"
+        old_file(path)
+        stores = [ResponseStore(path, ttl_s=1000, clock=Clock()) for _ in range(2)]
+        start, failed = threading.Barrier(2), []
+        threads = [threading.Thread(target=open_it, args=(store, start, failed)) for store in stores]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert failed == []
+        assert [store.usage() for store in stores] == [(1, size_of())] * 2
+
+
+def test_a_half_upgraded_file_is_finished_at_open(tmp_path: Path) -> None:
+    """A file that gained ``created_at`` but not ``size`` (an upgrade cut short by an older
+    build, whose ALTERs were not one transaction) gets the rest, not a duplicate column."""
+    path = tmp_path / "responses.sqlite3"
+    old_file(path)
+    half = sqlite3.connect(path)
+    half.execute("ALTER TABLE responses ADD COLUMN created_at REAL NOT NULL DEFAULT 0")
+    half.commit()
+    half.close()
+    store = ResponseStore(path, ttl_s=1000, clock=Clock())
+    store.open_now()
+    assert store.usage() == (1, size_of()) and store.get_now("alice", "resp_1") is not None
+
+
+def test_a_file_shared_with_another_gateway_counts_its_writes(tmp_path: Path) -> None:
+    """Totals kept in memory go stale when another process writes the file: they are read
+    again then (SQLite's data_version), so a write evicts for what is really there."""
+    clock = Clock()
+    path = tmp_path / "responses.sqlite3"
+    mine = ResponseStore(path, ttl_s=600, clock=clock, max_bytes=3 * size_of())
+    theirs = ResponseStore(path, ttl_s=600, clock=clock, max_bytes=3 * size_of())
+    for rid in ("resp_1", "resp_2", "resp_3"):
+        mine.put_now("alice", response(rid), HISTORY)
+        clock.now += 1
+    for rid in ("resp_1", "resp_2", "resp_3"):
+        assert theirs.delete_now("alice", rid)
+    theirs.put_now("bob", response("resp_4"), HISTORY)
+    clock.now += 1
+    mine.put_now("alice", response("resp_5"), HISTORY)  # two rows of three: nothing to evict
+    assert ids(mine, "bob", "resp_4") == ["resp_4"] and ids(mine, "alice", "resp_5") == ["resp_5"]
+    assert mine.usage() == (2, 2 * size_of())
