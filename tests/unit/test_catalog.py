@@ -590,3 +590,36 @@ def test_a_route_weight_is_carried_and_checked(tmp_path: Path, root: Path) -> No
     assert table.routes["shout"].weight == 1.0
     assert "weight need an adapter" in table.errors["heavy-preset"]
     assert "weight" in table.errors["zero"]
+
+
+async def test_a_pin_flipped_and_back_while_the_pinned_version_drains_is_that_version(
+    tmp_path: Path, root: Path
+) -> None:
+    """pinned -> unpinned -> pinned while a request still runs on the pinned version: the
+    pinned version (kept, as it drains) comes back under its id; the unpinned one leaves."""
+    removed: list[int] = []
+    catalog, path = live_catalog(tmp_path, root, removed)
+    start = catalog.table.resolve("shout").lora
+    assert start is not None
+    pinned_catalog = CATALOG.replace("    adapter: shout\n", "    adapter: shout\n    pinned: true\n")
+    path.write_text(pinned_catalog)
+    assert await catalog.reload()
+    assert await catalog.remove_drained() == [start.lora_id]  # the unpinned one it started with left
+    pinned = catalog.table.resolve("shout").lora
+    assert pinned is not None
+    lease = catalog.acquire("shout")
+    path.write_text(CATALOG)
+    assert await catalog.reload()
+    unpinned = catalog.table.resolve("shout").lora
+    assert unpinned is not None and unpinned.lora_id > pinned.lora_id
+    assert await catalog.remove_drained() == []  # the pinned one still runs a request
+    path.write_text(pinned_catalog)
+    assert await catalog.reload()
+    assert catalog.table.resolve("shout").lora == pinned
+    assert await catalog.remove_drained() == [unpinned.lora_id]
+    lease.release()
+    assert await catalog.remove_drained() == [] and pinned.lora_id not in removed
+    path.write_text(CATALOG)  # unpinned again, after that version left: a new number
+    assert await catalog.reload()
+    again = catalog.table.resolve("shout").lora
+    assert again is not None and again.lora_id > unpinned.lora_id
