@@ -20,7 +20,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -214,8 +213,7 @@ def _schema_files(entries: list[dict[str, Any]], configs_dir: Path) -> frozenset
     for item in entries:
         value = item.get("response_format") if isinstance(item, dict) else None
         if isinstance(value, str):
-            with suppress(ConfigError):  # not under the catalog's folder: the entry's error
-                files.update(schema_watch_paths(value, configs_dir))
+            files.update(schema_watch_paths(value, configs_dir))
     return frozenset(files)
 
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import urllib.parse
 from collections.abc import Iterator, Mapping
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -681,10 +683,20 @@ def schema_file_path(value: str, configs_dir: Path) -> Path:
 
 def schema_watch_paths(value: str, configs_dir: Path) -> tuple[Path, ...]:
     """What a reload must follow for a ``file:<path>`` value: the file it reads and, where it
-    differs, the path as named (a link there, re-pointed, changes what is read)."""
-    read = schema_file_path(value, configs_dir)
-    named = configs_dir.absolute() / _named(value)
-    return (read,) if named == read else (read, named)
+    differs, the path as named (a link there, re-pointed, changes what is read). The path as
+    named is followed when nothing is read too (a link in a loop or out of the catalog's
+    folder: re-pointing it is the fix), as long as it names a place in the folder. Watching
+    reads no file: the rule on reads stays ``schema_file_path``'s."""
+    if not value.startswith("file:"):
+        return ()
+    root = configs_dir.absolute()
+    named = Path(os.path.normpath(root / _named(value)))
+    paths = [named] if named.is_relative_to(root) else []
+    with suppress(ConfigError):
+        read = schema_file_path(value, configs_dir)
+        if read != named:
+            paths.insert(0, read)
+    return tuple(paths)
 
 
 def _named(value: str) -> str:

@@ -18,6 +18,7 @@ from gateway.structured import (
     parse_structured_outputs,
     request_constraint,
     route_constraint,
+    schema_watch_paths,
     xgrammar_gap,
 )
 from gateway.types import Constraint
@@ -138,6 +139,26 @@ def test_bad_route_formats_are_config_errors(tmp_path: Path, value: Any) -> None
     (tmp_path.parent / "outside.json").write_text(json.dumps(SCHEMA))
     with pytest.raises(ConfigError):
         route_constraint(value, tmp_path)
+
+
+@pytest.mark.parametrize("target", ["current.json", "/etc/hostname", "v0.json"])
+def test_a_schema_link_is_watched_whatever_it_points_to(tmp_path: Path, target: str) -> None:
+    """``file:schemas/current.json``, a link: a loop, one out of the catalog's folder (not
+    read: a ConfigError) or one to nothing yet. Re-pointing it is the fix, so the link is
+    watched in every case; a path that names a place outside the folder is not."""
+    (tmp_path / "schemas").mkdir()
+    link = tmp_path / "schemas" / "current.json"
+    link.symlink_to(target)
+    if target != "v0.json":
+        with pytest.raises(ConfigError):
+            route_constraint("file:schemas/current.json", tmp_path)
+    assert link in schema_watch_paths("file:schemas/current.json", tmp_path)
+    (tmp_path / "schemas" / "v0.json").write_text(json.dumps(SCHEMA))
+    link.unlink()
+    link.symlink_to("v0.json")  # the fix
+    assert route_constraint("file:schemas/current.json", tmp_path) == Constraint("json", SCHEMA)
+    assert schema_watch_paths("file:../outside.json", tmp_path) == ()
+    assert schema_watch_paths("file:schemas/../../outside.json", tmp_path) == ()
 
 
 def test_choose_request_wins_on_a_route_that_does_not_enforce() -> None:

@@ -190,6 +190,29 @@ async def test_a_file_schema_behind_a_link_goes_live_when_the_link_is_repointed(
         assert rig.reloads > reloads
 
 
+@pytest.mark.parametrize("wrong", ["current.json", "/etc/hostname"])
+async def test_a_file_schema_link_in_a_loop_or_out_of_the_folder_goes_live_once_fixed(
+    tmp_path: Path, wrong: str
+) -> None:
+    """A link that loops or points out of the catalog's folder rejects the entry (nothing out
+    of the folder is read) and the watcher goes on; re-pointing the link is the fix, seen
+    like a schema file appearing. Before, such an entry's link was not watched at all."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    async with watching(tmp_path) as rig:
+        folder = rig.catalog_path.parent / "schemas"
+        folder.mkdir()
+        (folder / "v0.json").write_text(json.dumps(schema))
+        (folder / "current.json").symlink_to(wrong)
+        entry = '  - {name: answers, system_prompt: JSON., response_format: "file:schemas/current.json"}\n'
+        rig.catalog_path.write_text(CATALOG + entry)
+        assert await within(2.0, lambda: "answers" in rig.catalog.table.errors)
+        assert await within(5.0, lambda: rig.watcher.watching.is_set() and rig.reloads >= 2)
+        await asyncio.sleep(0.3)
+        (folder / "next.json").symlink_to("v0.json")
+        (folder / "next.json").rename(folder / "current.json")
+        assert await within(2.0, lambda: schema_of(rig, "answers") == schema)
+
+
 async def test_sighup_reloads_with_no_file_change(tmp_path: Path) -> None:
     async with watching(tmp_path) as rig:
         rig.reload_now.set()
