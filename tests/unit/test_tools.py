@@ -593,11 +593,13 @@ async def test_named_stream_sends_the_name_first_then_argument_fragments() -> No
         ("auto", 4, "tool_calls"),
     ],
 )
+@pytest.mark.parametrize("n", [1, 2])
 async def test_finish_reason_of_calls_follows_the_tool_choice(
-    choice: str, max_tokens: int, finish: str
+    choice: str, max_tokens: int, finish: str, n: int
 ) -> None:
     """OpenAI's API and vLLM's server end a forced function's call with ``stop``, calls under
-    ``required`` and ``auto`` with ``tool_calls``; ``length`` stays; streamed or not alike."""
+    ``required`` and ``auto`` with ``tool_calls``; ``length`` stays; streamed or not alike,
+    each choice of ``n``, with ``parallel_tool_calls: false`` too."""
     from gateway.sse_tools import tool_chat_response
 
     answers = {
@@ -607,12 +609,16 @@ async def test_finish_reason_of_calls_follows_the_tool_choice(
     }
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
     kw: dict[str, Any] = {"tool_choice": tool_choice, "max_tokens": max_tokens}
-    msg = assemble(await stream_chunks(make_gen(answers[choice], **kw)))[0]
-    whole = make_gen(answers[choice], **kw)
-    body = tool_chat_response(whole, await whole.collect())["choices"][0]
-    assert body["finish_reason"] == msg["finish_reason"] == finish
-    (call,) = body["message"]["tool_calls"]  # a call in both, whatever the finish reason
-    assert call["function"]["name"] == msg["tool_calls"][0]["name"] == "get_weather"
+    if n > 1:
+        kw["parallel_tool_calls"] = False
+    streamed = assemble(await stream_chunks(make_gen(answers[choice], n, **kw)))
+    whole = make_gen(answers[choice], n, **kw)
+    choices = tool_chat_response(whole, await whole.collect())["choices"]
+    assert len(choices) == len(streamed) == n
+    for body, msg in zip(choices, (streamed[i] for i in range(n)), strict=True):
+        assert body["finish_reason"] == msg["finish_reason"] == finish
+        (call,) = body["message"]["tool_calls"]  # a call in both, whatever the finish reason
+        assert call["function"]["name"] == msg["tool_calls"][0]["name"] == "get_weather"
 
 
 async def test_required_stream_sends_each_name_then_its_argument_fragments() -> None:
@@ -988,3 +994,35 @@ def test_tools_too_costly_together_are_400() -> None:
     assert plan_tools(request(tools=tools[:10], tool_choice="required")).mode == "required"
     # Under auto (and none) no grammar is made of them: only the per-function bounds apply.
     assert plan_tools(request(tools=tools)).mode == "auto"
+
+
+@pytest.mark.parametrize("model", ["shout", "concise", "base"])  # a LoRA, a preset, the base
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_named_call_ends_with_stop_on_every_kind_of_route(
+    serve: Any, model: str, stream: bool
+) -> None:
+    """Through the app: the route (and its tool parser) does not change a forced function's
+    ``stop``, one choice or two."""
+    from tests.unit.fakes import FakeEngine
+
+    served = await serve(engine=FakeEngine(words=['{"city"', ': "Paris"}']))
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER, ADD],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "n": 2,
+        "stream": stream,
+    }
+    r = await served.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        parts = [p.removeprefix("data: ") for p in r.text.split("\n\n") if p]
+        choices = assemble([json.loads(p) for p in parts[:-1]])
+        calls = [[c["name"] for c in choices[i]["tool_calls"].values()] for i in (0, 1)]
+        finishes = [choices[i]["finish_reason"] for i in (0, 1)]
+    else:
+        whole = r.json()["choices"]
+        calls = [[c["function"]["name"] for c in choice["message"]["tool_calls"]] for choice in whole]
+        finishes = [choice["finish_reason"] for choice in whole]
+    assert calls == [["get_weather"], ["get_weather"]] and finishes == ["stop", "stop"]
