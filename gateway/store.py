@@ -230,8 +230,9 @@ class ResponseStore:
     def _evict_oldest(self, db: sqlite3.Connection, over: int, where: str, args: tuple[Any, ...]) -> None:
         evicted = 0
         while over > 0:
-            oldest = db.execute(
-                f"SELECT rowid, size FROM responses {where} ORDER BY created_at LIMIT {_EVICT_BATCH}", args
+            oldest = db.execute(  # rowid: of rows written in one clock tick, the first first
+                f"SELECT rowid, size FROM responses {where} ORDER BY created_at, rowid LIMIT {_EVICT_BATCH}",
+                args,
             ).fetchall()
             if not oldest:
                 return

@@ -175,6 +175,15 @@ def test_a_keys_bound_evicts_its_own_oldest_only() -> None:
     assert store.usage() == (3, 3 * size_of("resp_1"))
 
 
+def test_rows_written_in_one_clock_tick_go_in_the_order_written() -> None:
+    big = HISTORY * 2  # the first row is the largest: neither id nor size may order them
+    bound = size_of("resp_9", big) + size_of("resp_5")
+    store = ResponseStore(":memory:", ttl_s=600, clock=lambda: 1000.0, max_bytes_per_key=bound)
+    for rid, history in (("resp_9", big), ("resp_5", HISTORY), ("resp_1", HISTORY)):
+        store.put_now("alice", response(rid), history)
+    assert ids(store, "alice", "resp_9", "resp_5", "resp_1") == ["resp_5", "resp_1"]
+
+
 def test_a_response_over_a_bound_by_itself_is_not_kept_and_evicts_nothing() -> None:
     store = ResponseStore(":memory:", ttl_s=600, max_bytes=10 * size_of(), max_bytes_per_key=size_of())
     store.put_now("alice", response("resp_1"), HISTORY)
