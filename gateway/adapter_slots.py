@@ -19,7 +19,13 @@ adapter whose turn comes is copied to a GPU slot, not read from disk again.
 Residency comes from the engine's ``list_loras()`` (the adapters it holds, in a GPU slot
 or its CPU cache; vLLM does not say which), kept in a set that is refreshed after each
 add and remove and every few seconds, so a request never waits on an engine round trip to
-learn whether its adapter is warm.
+learn whether its adapter is warm. Where it is in the engine follows from vLLM's rules: it
+puts an adapter in a GPU slot as it loads it (and as a batch uses it), takes one out of its
+slot only to make room for another or as it leaves the engine. So while the engine has
+never held more adapters than it has GPU slots (the default, ``engine.max_loras: auto``,
+gives each adapter of the catalog a slot), every adapter it holds is in a GPU slot:
+``"gpu"``. Once it has held more, which ones are is not known: ``"loaded"``, until a
+restart.
 """
 
 from __future__ import annotations
@@ -199,6 +205,9 @@ class AdapterSlots:
         # Pins refused for want of a free slot, in order: retried when a pinned version leaves.
         self.pins_waiting: dict[int, Route] = {}
         self.resident: set[int] = set()  # the engine's list_loras(), as last seen
+        # Whether the engine has held more adapters than GPU slots (as seen here, which
+        # may count one it already evicted: never fewer): residency then stops saying "gpu".
+        self.slots_overflowed = False
         self.preloaded: set[int] = set()  # versions warmed since they were added
         self.paths: dict[int, Path] = {}
         # Warm-ups take their turn like any LoRA request: one sent past it could put more
@@ -330,7 +339,18 @@ class AdapterSlots:
             self.snapshots.discard(path)
 
     async def refresh(self) -> None:
-        self.resident = set(await self.engine.list_loras())
+        self._holds(set(await self.engine.list_loras()))
+
+    def _holds(self, resident: set[int]) -> None:
+        self.resident = resident
+        if len(resident) > self.max_loras and not self.slots_overflowed:
+            self.slots_overflowed = True
+            log.info(
+                "the engine holds %d adapters for %d GPU slots: residency says 'loaded' from now on, "
+                "as vLLM does not say which adapters are in a slot",
+                len(resident),
+                self.max_loras,
+            )
 
     async def _after_load(self, lora_id: int) -> None:
         """Read the engine's adapters again after a load: with more adapters than
@@ -338,14 +358,16 @@ class AdapterSlots:
         read as loaded (and its next request as warm) until the next periodic refresh."""
         with contextlib.suppress(GatewayError):
             await self.refresh()
-        self.resident.add(lora_id)  # just added, whatever the read said
+        self._holds(self.resident | {lora_id})  # just added, whatever the read said
 
     def residency(self, route: Route) -> Residency | None:
         if route.lora is None:
             return None
         if route.lora.lora_id in self.pinned:
             return "gpu"
-        return "loaded" if route.lora.lora_id in self.resident else "not loaded"
+        if route.lora.lora_id not in self.resident:
+            return "not loaded"
+        return "loaded" if self.slots_overflowed else "gpu"
 
     def start_state(self, route: Route) -> Literal["cold", "warm"] | None:
         """Whether a request on ``route`` finds its adapter in the engine (warm) or makes the
@@ -354,5 +376,5 @@ class AdapterSlots:
             return None
         if route.lora.lora_id in self.resident:
             return "warm"
-        self.resident.add(route.lora.lora_id)
+        self._holds(self.resident | {route.lora.lora_id})
         return "cold"
