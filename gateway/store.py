@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS responses (
     created_at REAL NOT NULL DEFAULT 0,
     size INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (id, owner)
-);
+)
 """
 # A file written before the bound had no age or size: they are filled in once, at open.
 _UPGRADE = {
@@ -66,11 +66,11 @@ _FILL = (
     " size = length(CAST(response AS BLOB)) + length(CAST(history AS BLOB))"
 )
 # Both age indexes carry owner and size, so eviction and the totals at open read no row.
-_INDEXES = """
-CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
-CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, owner, size);
-CREATE INDEX IF NOT EXISTS responses_owner_age ON responses (owner, created_at, size);
-"""
+_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at)",
+    "CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at, owner, size)",
+    "CREATE INDEX IF NOT EXISTS responses_owner_age ON responses (owner, created_at, size)",
+)
 _EVICT_BATCH = 64
 _PURGE_EVERY_S = 60.0
 log = logging.getLogger(__name__)
@@ -269,27 +269,30 @@ class ResponseStore:
             if self.path != ":memory:":
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer
-            db.executescript(_SCHEMA)
-            if _missing_columns(db):
-                self._upgrade(db)
-            db.executescript(_INDEXES)
+            self._set_up(db)
             self._db = db
         if self._bytes is None:
             self._read_totals(self._db)
         return self._db
 
-    def _upgrade(self, db: sqlite3.Connection) -> None:
-        """Add the columns an older file lacks, in one transaction. SQLite's ALTERs would
-        each commit by themselves; under the write lock a second gateway opening the file at
-        once waits, then finds them there (checked again) instead of a duplicate column."""
+    def _set_up(self, db: sqlite3.Connection) -> None:
+        """WAL, the table, the columns an older file lacks and the indexes, in one
+        transaction under the write lock. Statement by statement, a gateway opening the file
+        while another does could fail: on a duplicate column (SQLite's ALTERs each commit by
+        themselves), or at once with "database is locked" (a statement that reads the schema,
+        then writes, after another connection changed it, gets no busy wait). Under the lock
+        a second opener waits, then finds everything there."""
+        _locked_retry(lambda: db.execute("PRAGMA journal_mode=WAL"))  # readers never wait for a writer
         with db:
             db.execute("BEGIN IMMEDIATE")
+            db.execute(_SCHEMA)
             missing = _missing_columns(db)
             for column in missing:
                 db.execute(_UPGRADE[column])
             if missing:
                 db.execute(_FILL, (self.ttl_s,))  # its age as if written under this ttl
+            for statement in _INDEXES:
+                db.execute(statement)
 
     def _read_totals(self, db: sqlite3.Connection) -> None:
         """The totals from the file, unless they are current: nothing but this connection
@@ -302,6 +305,20 @@ class ResponseStore:
         per_key = {owner: size for owner, _, size in totals}
         self._bytes, self._rows, self._total = per_key, sum(t[1] for t in totals), sum(per_key.values())
         self._version = version
+
+
+def _locked_retry(statement: Callable[[], object], wait_s: float = 5.0) -> None:
+    """``statement`` again while SQLite answers "database is locked" without waiting (a
+    change of journal mode while another connection opens the file), up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            statement()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _missing_columns(db: sqlite3.Connection) -> list[str]:
