@@ -287,6 +287,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.insert(at, "- gateway settings: " + ", ".join(f"`--set {kv}`" for kv in m["gateway_set"]))
     lines += ttft_split(m, pts)
     lines += lora_work(m, pts)
+    lines += residency(m, pts)
     lines += [
         "",
         "Gateway against vLLM's server (ratio = gateway / vLLM out tok/s; deltas = gateway - vLLM; "
@@ -417,6 +418,24 @@ def lora_work(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, An
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
+
+
+def residency(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
+    """Where the gateway's adapters were after each point, as its ``/v1/models`` said."""
+    rows = []
+    for mix in meta["mixes"]:
+        for c in meta["concurrencies"]:
+            p = pts.get(("gateway", mix, c))
+            if p and p.get("residency_gpu") is not None:
+                counts = [
+                    f"{where} {_f(p.get('residency_' + where.replace(' ', '_')), '{:.0f}')}"
+                    for where in ("gpu", "cpu", "loaded", "not loaded")
+                    if p.get("residency_" + where.replace(" ", "_"))
+                ]
+                rows.append(f"{mix} c={c}: {', '.join(counts) or 'none'}")
+    if not rows:
+        return []
+    return ["", "Gateway adapters by residency after each point (its `/v1/models`): " + "; ".join(rows) + "."]
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:

@@ -36,6 +36,7 @@ from bench.servers import (
     EngineSpec,
     ProcessSampler,
     Server,
+    adapter_residency,
     engine_histograms,
     engine_means_ms,
     gateway_command,
@@ -368,6 +369,7 @@ class Bench:
             **engine,
             **trace,
             **(adapter_fields(res, mix, summary["ttft_ms_mean"]) if res else {}),
+            **adapter_residency(server.base_url, self.api_key),
         }
         self.result["points"].append(point)
         self.save()

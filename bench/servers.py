@@ -354,6 +354,24 @@ def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, flo
     return {key: (s, c) for key, (s, c) in out.items()}
 
 
+RESIDENCIES = ("gpu", "cpu", "loaded", "not loaded")
+
+
+def adapter_residency(base_url: str, api_key: str) -> dict[str, int]:
+    """How many of the gateway's adapters ``/v1/models`` shows at each residency now, as
+    ``residency_gpu``, ``residency_cpu``, ...; {} from a server that does not say (vLLM's)."""
+    req = urllib.request.Request(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            cards = json.load(resp)["data"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    seen = [c["residency"] for c in cards if c.get("residency") in RESIDENCIES and not c.get("alias_of")]
+    if not seen:
+        return {}
+    return {f"residency_{where.replace(' ', '_')}": seen.count(where) for where in RESIDENCIES}
+
+
 def engine_means_ms(
     before: dict[str, tuple[float, float]] | None, after: dict[str, tuple[float, float]] | None
 ) -> dict[str, float | None]:

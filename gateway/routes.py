@@ -408,9 +408,8 @@ def model_cards(catalog: Catalog, created: int, slots: AdapterSlots | None = Non
 
 
 def adapter_fields(route: Route, slots: AdapterSlots | None) -> dict[str, Any]:
-    """Residency: "gpu" (pinned, or held by an engine that never held more adapters than
-    GPU slots), "loaded" (held by the engine, GPU slot or CPU cache: vLLM does not say
-    which) or "not loaded"; and registration warnings."""
+    """Residency ("gpu", "cpu" or "not loaded"; "loaded" where the engine's workers cannot
+    say which slot: ``AdapterSlots.residency``) and registration warnings."""
     return {
         "residency": slots.residency(route) if slots is not None else None,
         "pinned": route.pinned,

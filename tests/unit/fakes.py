@@ -153,6 +153,9 @@ class FakeEngine:
     async def list_loras(self) -> set[int]:
         return set(self.loras)
 
+    async def lora_slots(self) -> set[int] | None:
+        return None  # as an engine whose workers do not report their slots
+
 
 if TYPE_CHECKING:  # mypy checks that the fake is a whole Engine
     _engine: Engine = FakeEngine()

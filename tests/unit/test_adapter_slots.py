@@ -49,6 +49,18 @@ class SlotEngine(FakeEngine):
         return set(self.loras)
 
 
+class ReportingEngine(SlotEngine):
+    """A slot engine whose workers report their GPU slots, as the gateway's own engine's
+    do (``LoraSlotsReport``): ``slots`` is what they say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slots: set[int] = set()
+
+    async def lora_slots(self) -> set[int] | None:
+        return set(self.slots)
+
+
 def lora_route(name: str, lora_id: int, **kw: Any) -> Route:
     digest = f"{lora_id:02d}" * 32
     return Route(name=name, kind="lora", lora=LoraSpec(name, lora_id, f"/a/{name}"), digest=digest, **kw)
@@ -113,6 +125,25 @@ async def test_residency_is_gpu_until_the_engine_holds_more_adapters_than_slots(
     await s.refresh()  # back within the slots, but which were unslotted meanwhile is unknown
     assert [s.residency(r) for r in routes] == ["loaded", "loaded", "not loaded"]
     assert sum("residency says 'loaded'" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_residency_reads_gpu_or_cpu_from_the_workers_slots() -> None:
+    """Workers that report their slots tell an adapter in one ("gpu") from one only in the
+    CPU cache ("cpu"), past the slots too; a load or a cold start is in a slot at once."""
+    engine = ReportingEngine()
+    s = AdapterSlots(engine, GatewayMetrics(CollectorRegistry()), 2)  # type: ignore[arg-type]
+    routes = [lora_route(f"r{i}", i) for i in (1, 2, 3, 4)]
+    for route in routes[:3]:
+        engine.slots = {1, 2} if route is not routes[2] else {2, 3}  # r3's load took r1's slot
+        await s.register(route)
+    assert [s.residency(r) for r in routes] == ["cpu", "gpu", "gpu", "not loaded"]
+    engine.slots = {1, 3}  # a batch of r1 took r2's slot
+    await s.refresh()
+    assert [s.residency(r) for r in routes] == ["gpu", "cpu", "gpu", "not loaded"]
+    assert s.start_state(routes[1]) == "warm" and s.start_state(routes[3]) == "cold"
+    assert s.residency(routes[3]) == "gpu"  # its batch loads it into a slot
+    await s.remove(3)
+    assert s.residency(routes[2]) == "not loaded" and s.in_slots == {1, 4}
 
 
 async def test_a_request_that_loads_its_adapter_past_the_slots_ends_gpu_residency() -> None:

@@ -151,3 +151,12 @@ def test_lora_trace_sums_the_engine_processes_and_takes_a_points_difference(tmp_
     assert fields["sched_ms_mean"] == pytest.approx(0.25) and fields["sched_waiting_mean"] == pytest.approx(
         3.0
     )
+
+
+def test_the_report_says_where_the_gateways_adapters_were() -> None:
+    result = _result([100.0], [120.0])
+    result["points"][1].update(residency_gpu=4, residency_cpu=12, residency_loaded=0, residency_not_loaded=0)
+    lines = report.residency(result["meta"], report.index(result["points"]))
+    assert lines[-1].endswith("after each point (its `/v1/models`): base c=4: gpu 4, cpu 12.")
+    plain = _result([100.0], [120.0])
+    assert report.residency(plain["meta"], report.index(plain["points"])) == []

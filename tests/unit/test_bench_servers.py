@@ -74,3 +74,29 @@ def test_engine_means_count_the_steps_and_their_tokens(monkeypatch: pytest.Monke
     assert means["engine_e2e_ms_mean"] == pytest.approx(1000.0)  # 3 s over 3 requests
     assert means["engine_prompt_tokens_mean"] == pytest.approx(20.0)
     assert means["engine_steps"] == 20 and means["engine_tokens_per_step"] == pytest.approx(30.0)
+
+
+def test_adapter_residency_counts_the_gateways_adapters_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import json
+
+    from bench import servers
+
+    cards = [
+        {"id": "base"},
+        {"id": "a0", "residency": "gpu"},
+        {"id": "loud", "residency": "gpu", "alias_of": "a0"},  # an alias: the same adapter
+        {"id": "a1", "residency": "cpu"},
+        {"id": "a2", "residency": "not loaded"},
+    ]
+    pages = iter([json.dumps({"data": cards}), json.dumps({"data": [{"id": "base"}]})])
+    monkeypatch.setattr(
+        servers.urllib.request, "urlopen", lambda req, timeout: io.BytesIO(next(pages).encode())
+    )
+    assert servers.adapter_residency("http://x", "k") == {
+        "residency_gpu": 1,
+        "residency_cpu": 1,
+        "residency_loaded": 0,
+        "residency_not_loaded": 1,
+    }
+    assert servers.adapter_residency("http://x", "k") == {}  # vLLM's server does not say

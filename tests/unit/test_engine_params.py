@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from gateway.engine import EngineManager, _sampling_params, one_grammar_backend
+from gateway.engine import EngineManager, LoraSlotsReport, _sampling_params, one_grammar_backend
 from gateway.errors import EngineFailed, InvalidRequest
 from gateway.settings import EngineSettings
 from gateway.types import Constraint, SamplingSpec
@@ -337,3 +337,62 @@ def test_the_shipped_settings_leave_the_cpu_kv_cache_to_the_environment(
     with caplog.at_level("WARNING", logger="gateway.engine"):
         _cpu_kv_cache_space(load_settings({"config": str(DEFAULT_CONFIG), "engine.max_num_seqs": 4}).engine)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8" and not caplog.records
+
+
+def test_the_workers_carry_the_slot_report_unless_the_settings_name_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM mixes ``worker_extension_cls`` into its workers by name; one the operator names
+    wins, and residency then falls back to what ``list_loras`` tells."""
+    import vllm.engine.arg_utils
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    given: dict[str, Any] = {}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    monkeypatch.setattr(vllm.engine.arg_utils, "AsyncEngineArgs", lambda **args: given.update(args))
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *args, **kwargs: "engine")
+    manager = EngineManager(EngineSettings(model="/models/m", max_loras=4), Path("."))
+    manager._create_engine()
+    assert resolve_obj_by_qualname(given["worker_extension_cls"]) is LoraSlotsReport
+    assert manager._slots_reported
+    given.clear()
+    settings = EngineSettings(
+        model="/models/m", max_loras=4, engine_args={"worker_extension_cls": "mine.Ext"}
+    )
+    manager = EngineManager(settings, Path("."))
+    manager._create_engine()
+    assert given["worker_extension_cls"] == "mine.Ext" and not manager._slots_reported
+
+
+def test_the_slot_report_reads_the_lora_managers_slots() -> None:
+    worker = LoraSlotsReport()
+    assert worker.gateway_lora_slots() is None  # no LoRA manager: cannot say
+    manager = SimpleNamespace(_adapter_manager=SimpleNamespace(lora_index_to_id=[3, None, 5, None]))
+    worker.model_runner = SimpleNamespace(lora_manager=manager)  # type: ignore[attr-defined]
+    assert worker.gateway_lora_slots() == [3, 5]
+
+
+async def test_lora_slots_stop_asking_workers_that_cannot_say(caplog: pytest.LogCaptureFixture) -> None:
+    asked: list[str] = []
+    answers: list[Any] = [[[3, 5]], [None]]
+
+    async def collective_rpc(method: str) -> Any:
+        asked.append(method)
+        return answers.pop(0)
+
+    manager = _manager_on(SimpleNamespace(errored=False, collective_rpc=collective_rpc))
+    assert await manager.lora_slots() is None and asked == []  # the report was not mixed in
+    manager._slots_reported = True
+    assert await manager.lora_slots() == {3, 5}
+    with caplog.at_level("WARNING", logger="gateway.engine"):
+        assert await manager.lora_slots() is None  # this version lays its slots out otherwise
+        assert await manager.lora_slots() is None
+    assert asked == ["gateway_lora_slots"] * 2 and len(caplog.records) == 1
+
+    async def refused(method: str) -> Any:
+        raise Exception("Call to gateway_lora_slots method failed: no such method")
+
+    manager = _manager_on(SimpleNamespace(errored=False, collective_rpc=refused))
+    manager._slots_reported = True
+    assert await manager.lora_slots() is None and not manager._slots_reported
