@@ -204,8 +204,11 @@ class AdapterSlots:
         self.pinned: set[int] = set()
         # Pins refused for want of a free slot, in order: retried when a pinned version leaves.
         self.pins_waiting: dict[int, Route] = {}
-        self.resident: set[int] = set()  # the engine's list_loras(), as last seen
-        self.in_slots: set[int] | None = None  # its lora_slots(), None if it cannot say
+        # The engine's list_loras() and lora_slots() (None: it cannot say) as last read;
+        # ``resident`` adds the adapters that requests have loaded since (cold starts).
+        self.held: set[int] = set()
+        self.in_slots: set[int] | None = None
+        self.resident: set[int] = set()
         # Whether the engine has held more adapters than GPU slots (as seen here, which
         # may count one it already evicted: never fewer): residency then stops saying "gpu".
         self.slots_overflowed = False
@@ -327,6 +330,7 @@ class AdapterSlots:
         was_pinned = lora_id in self.pinned
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
+        self.held.discard(lora_id)
         if self.in_slots is not None:
             self.in_slots.discard(lora_id)
         path = self.paths.pop(lora_id, None)
@@ -342,17 +346,11 @@ class AdapterSlots:
             self.snapshots.discard(path)
 
     async def refresh(self) -> None:
-        resident = set(await self.engine.list_loras())
+        self.held = set(await self.engine.list_loras())
         self.in_slots = await self.engine.lora_slots()
-        self._holds(resident)
+        self._holds(set(self.held))
 
-    def _holds(self, resident: set[int], slotted: int | None = None) -> None:
-        """What the engine holds now; ``slotted``, an adapter it has just put in a GPU slot
-        (loaded, or its batch started) whatever the last read said."""
-        if slotted is not None:
-            resident = resident | {slotted}
-            if self.in_slots is not None:
-                self.in_slots = self.in_slots | {slotted}
+    def _holds(self, resident: set[int]) -> None:
         self.resident = resident
         if len(resident) > self.max_loras and not self.slots_overflowed:
             self.slots_overflowed = True
@@ -370,18 +368,23 @@ class AdapterSlots:
         read as loaded (and its next request as warm) until the next periodic refresh."""
         with contextlib.suppress(GatewayError):
             await self.refresh()
-        self._holds(self.resident, slotted=lora_id)
+        self._holds(self.resident | {lora_id})  # just added, whatever the read said
 
     def residency(self, route: Route) -> Residency | None:
+        """As last read from the engine: what requests loaded since shows at the next read
+        (at most 5 s later), so a burst of cold starts never shows more adapters in GPU
+        slots than there are."""
         if route.lora is None:
             return None
         lora_id = route.lora.lora_id
         if lora_id in self.pinned:
             return "gpu"
+        if self.in_slots is not None:
+            if lora_id in self.in_slots:
+                return "gpu"
+            return "cpu" if lora_id in self.held else "not loaded"
         if lora_id not in self.resident:
             return "not loaded"
-        if self.in_slots is not None:
-            return "gpu" if lora_id in self.in_slots else "cpu"
         return "loaded" if self.slots_overflowed else "gpu"
 
     def start_state(self, route: Route) -> Literal["cold", "warm"] | None:
@@ -391,5 +394,5 @@ class AdapterSlots:
             return None
         if route.lora.lora_id in self.resident:
             return "warm"
-        self._holds(self.resident, slotted=route.lora.lora_id)
+        self._holds(self.resident | {route.lora.lora_id})
         return "cold"
