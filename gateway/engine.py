@@ -51,8 +51,9 @@ class EngineManager:
         self._checks = RequestChecks()
         self.model_path: str | None = settings.model
         self.served_model_name: str = settings.served_model_name or ""
-        # Whether the engine's workers carry ``LoraSlotsReport`` (not when the settings
-        # name a ``worker_extension_cls`` of their own) and it has answered so far.
+        # Whether the engine's workers carry ``LoraSlotsReport`` (not with
+        # ``report_lora_slots: false`` or a ``worker_extension_cls`` of the settings' own) and
+        # it has answered so far.
         self._slots_reported = False
 
     # -- life cycle -------------------------------------------------------------------
@@ -144,7 +145,7 @@ class EngineManager:
             if s.max_cpu_loras is not None:
                 args["max_cpu_loras"] = s.max_cpu_loras
         args.update(s.engine_args)
-        if s.enable_lora and not args.get("worker_extension_cls"):
+        if s.enable_lora and s.report_lora_slots and not args.get("worker_extension_cls"):
             args["worker_extension_cls"] = f"{LoraSlotsReport.__module__}.{LoraSlotsReport.__qualname__}"
             self._slots_reported = True
         args["structured_outputs_config"] = one_grammar_backend(args.get("structured_outputs_config"))

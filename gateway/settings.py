@@ -64,6 +64,11 @@ class EngineSettings(_Section):
     max_cpu_loras: int | None = Field(
         None, ge=1, description="adapters in the engine's CPU cache; left out: sized to the catalog"
     )
+    report_lora_slots: bool = Field(
+        True,
+        description="mix the gateway's slot report into vLLM's workers (worker_extension_cls), so residency "
+        "says gpu or cpu; off where the workers cannot import gateway.engine",
+    )
     enable_prefix_caching: bool | None = None
     load_format: str | None = None
     seed: int | None = 0

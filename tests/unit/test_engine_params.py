@@ -363,6 +363,12 @@ def test_the_workers_carry_the_slot_report_unless_the_settings_name_their_own(
     manager = EngineManager(settings, Path("."))
     manager._create_engine()
     assert given["worker_extension_cls"] == "mine.Ext" and not manager._slots_reported
+    given.clear()
+    manager = EngineManager(
+        EngineSettings(model="/models/m", max_loras=4, report_lora_slots=False), Path(".")
+    )
+    manager._create_engine()
+    assert "worker_extension_cls" not in given and not manager._slots_reported
 
 
 def test_the_slot_report_reads_the_lora_managers_slots() -> None:
