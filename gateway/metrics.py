@@ -190,6 +190,14 @@ class GatewayMetrics:
             "Bytes (their JSON) the /v1/responses store keeps: what responses.max_bytes bounds",
             registry=registry,
         )
+        # Set at each scrape from AdapterSlots.residency, as /v1/models shows it.
+        self.adapters = Gauge(
+            "gateway_adapters",
+            "LoRA routes by residency: gpu (in a GPU slot), cpu (in the engine's CPU cache only), "
+            "loaded (in the engine, slot unknown) or not loaded",
+            ["residency"],
+            registry=registry,
+        )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
         self._routes: frozenset[str] = frozenset()
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, get_args
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
+from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots, Residency
 from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import (
     CatalogInvalid,
@@ -462,6 +462,10 @@ async def metrics(request: Request) -> Response:
     stored, stored_bytes = gw.responses.usage()
     m.responses_stored.set(stored)
     m.responses_stored_bytes.set(stored_bytes)
+    routes = gw.catalog.table.routes.values() if gw.catalog is not None else ()  # None while starting
+    residencies = [gw.adapters.residency(route) for route in routes]
+    for where in get_args(Residency):
+        m.adapters.labels(where).set(residencies.count(where))
     # The router view even with scheduling off (nothing queued here then): a router pointed
     # at it (deploy/README.md) must not lose its metrics when the scheduler is switched off.
     queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None

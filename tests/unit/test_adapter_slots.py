@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -733,3 +734,16 @@ async def test_pins_turning_the_wait_bound_off_are_said_once_per_change(
     )
     assert await served.gw.reload_catalog()
     assert said()[-1].startswith("pinned: json, shout;") and len(said()) == 2
+
+
+async def test_metrics_count_the_routes_by_residency(serve: Serve, tmp_path: Path) -> None:
+    """``gateway_adapters{residency}``: what the cards of /v1/models say, counted."""
+    engine = ReportingEngine()
+    served = await serve(engine, engine__max_loras=2)
+    (tmp_path / "adapters.yaml").write_text(PINNED)  # shout pinned, json not
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    engine.slots = {lora_id(served, "shout")}  # json only in the CPU cache
+    await served.gw.adapters.refresh()
+    text = (await served.http.get("/metrics", headers=ADMIN)).text
+    counts = dict(re.findall(r'^gateway_adapters\{residency="([a-z ]+)"\} (\S+)$', text, re.M))
+    assert counts == {"gpu": "1.0", "cpu": "1.0", "loaded": "0.0", "not loaded": "0.0"}
