@@ -39,7 +39,7 @@ from gateway.protocol import (
 from gateway.read_ahead import ReadAhead
 from gateway.settings import LimitSettings
 from gateway.structured import choose, describe, request_constraint
-from gateway.tokenizing import PromptTokenizer, longest_token_chars
+from gateway.tokenizing import PromptTokenizer, TokenBound, token_bound
 from gateway.tools import (
     NO_TOOLS,
     ToolPlan,
@@ -252,23 +252,25 @@ class ChatService:
         self._limits = limits
         self._scheduler = scheduler  # None: LoRA requests go straight to the engine
         self._prompts = PromptTokenizer(lambda: engine.tokenizer)
-        self._token_chars: int | None = None  # most characters a token stands for (``measure_tokenizer``)
+        self._token_bound: TokenBound | None = None  # fewest tokens a text has (``measure_tokenizer``)
 
     async def measure_tokenizer(self) -> None:
         """Once the engine's tokenizer is there (at start): the most characters one token
         stands for, so that a prompt too long for the context by that bound is refused
         without tokenizing it (``_fits``)."""
         try:
-            self._token_chars = await self.with_tokenizer(longest_token_chars)
+            self._token_bound = await self.with_tokenizer(token_bound)
         except Exception:  # a tokenizer of a shape not foreseen: no bound, as for a slow one
             log.warning("could not read the tokenizer's vocabulary for a length bound", exc_info=True)
-        if self._token_chars is None:
+        bound = self._token_bound
+        if bound is None:
             log.info("no bound on the characters a token stands for: every prompt is tokenized whole")
         else:
             log.info(
-                "prompts over %d characters are refused before tokenizing (a token stands for %d at most)",
-                self._token_chars * (self._engine.max_model_len - 1),
-                self._token_chars,
+                "prompts over %d characters%s are refused before tokenizing (a token stands for %d at most)",
+                bound.longest * (self._engine.max_model_len - 1),
+                f" in {bound.form}" if bound.form else "",
+                bound.longest,
             )
 
     async def chat(
@@ -429,11 +431,11 @@ class ChatService:
             raise InvalidRequest(f"messages could not be formatted: {exc}", param="messages") from None
 
     def _fits(self, text: str, param: str) -> str:
-        """``text``, unless even its fewest possible tokens (one per ``_token_chars``
-        characters) leave no room in the context: then the 400 its count would give, without
-        counting (a multi-MB prompt takes seconds, every other prompt waiting behind it)."""
-        if self._token_chars is not None:
-            least = -(-len(text) // self._token_chars)
+        """``text``, unless even its fewest possible tokens (``TokenBound``) leave no room in
+        the context: then the 400 its count would give, without counting (a multi-MB prompt
+        takes seconds, every other prompt waiting behind it)."""
+        if self._token_bound is not None:
+            least = self._token_bound.least_tokens(text)
             context = self._engine.max_model_len
             if least >= context:  # as ``_token_budget``: no room left for one token
                 raise _over_context(context, f"at least {least}", param)

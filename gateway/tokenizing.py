@@ -25,9 +25,10 @@ import json
 import queue
 import re
 import threading
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 MAX_BATCH = 256
 _PROMPT, _BACKGROUND = 0, 1  # queue ranks: a generation request's prompt first
@@ -148,7 +149,26 @@ class PromptTokenizer:
                 _settle(job, one, None)
 
 
-def longest_token_chars(tokenizer: Any) -> int | None:
+@dataclass(frozen=True, slots=True)
+class TokenBound:
+    """The most characters one token stands for (``longest``), in the text as the tokenizer's
+    normalizer first composes it (``form``: NFC or NFKC, which may merge several characters
+    into one; None when it does not): a text has at least ``least_tokens(text)`` tokens."""
+
+    longest: int
+    form: Literal["NFC", "NFKC"] | None = None
+
+    def least_tokens(self, text: str) -> int:
+        if self.form is not None and not text.isascii():  # ASCII is its own normal form
+            # Python's tables may be older than the tokenizer's, never so that they compose
+            # more: composition is stable across Unicode versions (new precomposed characters
+            # are composition exclusions). Composing across an added token's edge, which the
+            # tokenizer would not, only shortens the text: the bound stays low.
+            text = unicodedata.normalize(self.form, text)
+        return -(-len(text) // self.longest)
+
+
+def token_bound(tokenizer: Any) -> TokenBound | None:
     """The most characters of a prompt that one token can stand for, or None (no bound).
 
     A prompt of ``c`` characters then has at least ``c / longest`` tokens, so one that cannot
@@ -157,15 +177,17 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     (``▁`` and ByteLevel's characters stand for one character or byte each), byte-fallback
     tokens one, added and special tokens their text, which a prompt may spell out. The bound
     holds only where the pipeline keeps every character, so it is None for other tokenizers:
-    not a fast one, a normalizer or pre-tokenizer that may drop or merge characters (NFC,
-    Strip, BERT's whitespace split), unknown characters fused into one token, or an added
-    token that swallows the whitespace beside it (``lstrip`` / ``rstrip``)."""
+    not a fast one, a normalizer or pre-tokenizer that may drop or merge characters (Strip,
+    BERT's whitespace split, NFC anywhere but first), unknown characters fused into one token,
+    or an added token that swallows the whitespace beside it (``lstrip`` / ``rstrip``). A
+    normalizer that begins with NFC or NFKC (Qwen's) is measured on the text in that form."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
     normalizers = _steps(backend.normalizer, "normalizers")
     pre_tokenizers = _steps(backend.pre_tokenizer, "pretokenizers")
-    if not all(_keeps(step, _KEEPING_NORMALIZERS) for step in normalizers):
+    form = normalizers[0]["type"] if normalizers and normalizers[0]["type"] in ("NFC", "NFKC") else None
+    if not all(_keeps(step, _KEEPING_NORMALIZERS) for step in normalizers[1 if form else 0 :]):
         return None
     if not all(_keeps(step, _KEEPING_PRE_TOKENIZERS) for step in pre_tokenizers):
         return None
@@ -180,12 +202,16 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     if any(token.lstrip or token.rstrip for token in added):
         return None
     added_texts = {token.content for token in added}
+    # An added token is matched before the normalizer: one that the form would change could
+    # stand for more characters of the composed text than its own.
+    if form and any(unicodedata.normalize(form, text) != text for text in added_texts):
+        return None
     longest = 1
     for token in tokenizer.get_vocab():
         if byte_fallback and token not in added_texts and _BYTE_TOKEN.fullmatch(token):
             continue  # one character at most
         longest = max(longest, len(token))
-    return longest
+    return TokenBound(longest, form)
 
 
 def _steps(step: Any, nested: str) -> list[dict[str, Any]]:

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.embedded import embedded_model_dir, is_prepared
-from gateway.tokenizing import PromptTokenizer, longest_token_chars
+from gateway.tokenizing import PromptTokenizer, TokenBound, token_bound
 from tests.helpers import assert_openai_error, eventually_async
 from tests.unit.conftest import BASE, Serve
 from tests.unit.fakes import FakeEngine, FakeTokenizer
@@ -260,7 +260,9 @@ def test_no_text_has_fewer_tokens_than_its_characters_over_the_longest_token() -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    longest = longest_token_chars(tokenizer)
+    bound = token_bound(tokenizer)
+    assert bound is not None and bound.form is None
+    longest = bound.longest
     assert longest == 31  # Gemma 3's longest tokens: runs of 31 newlines, tabs or spaces
     assert len(tokenizer.encode("\n" * longest, add_special_tokens=False)) == 1  # and it is reached
     specials = "".join(tokenizer.get_added_vocab())  # a prompt may spell every added token
@@ -304,21 +306,86 @@ VOCAB = {"a": 0, "abcd": 1, "<0x41>": 2, "<unk>": 3}
 
 def test_the_longest_token_counts_added_tokens_and_byte_fallback_as_one_character() -> None:
     bpe = models.BPE(dict(VOCAB), [], unk_token="<unk>", byte_fallback=True)
-    assert longest_token_chars(_fast(bpe, pre_tokenizer=pre_tokenizers.Metaspace())) == 5  # <unk>
+    assert token_bound(_fast(bpe, pre_tokenizer=pre_tokenizers.Metaspace())) == TokenBound(5)  # <unk>
     bpe = models.BPE({"a": 0, "abcd": 1, "<0x41>": 2}, [], byte_fallback=True)
-    assert longest_token_chars(_fast(bpe)) == 4  # "<0x41>" stands for one byte
+    assert token_bound(_fast(bpe)) == TokenBound(4)  # "<0x41>" stands for one byte
     special = AddedToken("<|a_long_special|>", lstrip=False, rstrip=False)
     bpe = models.BPE(dict(VOCAB), [], unk_token="<unk>", byte_fallback=True)
-    assert longest_token_chars(_fast(bpe, added=special)) == len("<|a_long_special|>")  # spelled: one token
+    assert token_bound(_fast(bpe, added=special)) == TokenBound(len("<|a_long_special|>"))  # one token
     bpe = models.BPE(dict(VOCAB), [], unk_token="<unk>", byte_fallback=False, fuse_unk=False)
-    assert longest_token_chars(_fast(bpe, pre_tokenizer=pre_tokenizers.ByteLevel())) == 6  # bytes, as written
+    assert token_bound(_fast(bpe, pre_tokenizer=pre_tokenizers.ByteLevel())) == TokenBound(6)  # bytes
+
+
+# A byte-fallback tokenizer whose longest token is four composed characters.
+COMPOSED = {"é": 0, "éé": 1, "éééé": 2, "ガ": 3, "ガガ": 4, "ガガガガ": 5, "<0x65>": 6, "<0xCC>": 7}
+COMPOSED_MERGES = [("é", "é"), ("éé", "éé"), ("ガ", "ガ"), ("ガガ", "ガガ")]
+
+
+@pytest.mark.parametrize(
+    ("form", "normalizer", "text", "composed"),
+    [
+        ("NFC", normalizers.NFC(), "e\u0301" * 1000, "é" * 1000),
+        ("NFKC", normalizers.NFKC(), "ｶﾞ" * 1000, "ガ" * 1000),  # half-width kana and its mark
+    ],
+)
+def test_a_composing_normalizer_is_measured_on_the_composed_text(
+    form: str, normalizer: Any, text: str, composed: str
+) -> None:
+    """Qwen's tokenizers begin with NFC: two characters become one before the model sees them,
+    so the raw length would claim twice the tokens there are (a prompt that fits, refused)."""
+    tokenizer = _fast(models.BPE(dict(COMPOSED), COMPOSED_MERGES, byte_fallback=True), normalizer=normalizer)
+    bound = token_bound(tokenizer)
+    assert bound == TokenBound(4, form)  # type: ignore[arg-type]
+    tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    assert tokens == len(composed) // 4 == bound.least_tokens(text)  # reached, never passed
+    assert -(-len(text) // bound.longest) > tokens  # what the raw length would have claimed
+    assert bound.least_tokens("ab") == 1  # ASCII: no normalizing to do
+
+
+def test_an_added_token_the_normalizer_would_change_leaves_no_bound() -> None:
+    """Added tokens are matched before the normalizer: one NFC rewrites may stand for more
+    composed characters than its own length says."""
+    bpe = models.BPE(dict(COMPOSED), COMPOSED_MERGES, byte_fallback=True)
+    assert token_bound(_fast(bpe, normalizer=normalizers.NFC())) is not None
+    decomposed = AddedToken("<e\u0301>", lstrip=False, rstrip=False, normalized=False)
+    bpe = models.BPE(dict(COMPOSED), COMPOSED_MERGES, byte_fallback=True)
+    assert token_bound(_fast(bpe, normalizer=normalizers.NFC(), added=decomposed)) is None
+
+
+def test_a_byte_level_nfc_tokenizer_never_has_fewer_tokens_than_its_bound() -> None:
+    """Qwen's pipeline (NFC, ByteLevel, BPE), trained here on text with composed and
+    decomposed accents, Hangul jamo and half-width kana: no text falls below its bound."""
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rng = random.Random(3)
+    pieces = ["e\u0301", "é", "\u1100\u1161", "가", "ｶﾞ", "a", " ", "\n", "ñ", "n\u0303", "x\u0323\u0301"]
+    corpus = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 60))) for _ in range(400)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    bound = token_bound(tokenizer)
+    assert bound is not None and bound.form == "NFC" and bound.longest > 1
+    texts = [*corpus, *("".join(rng.choice(pieces) for _ in range(3000)) for _ in range(20))]
+    texts += ["e\u0301" * 4000, "\u1100\u1161" * 2000, "<|im_start|>" * 100 + "e\u0301" * 100]
+    for text in texts:
+        assert len(tokenizer.encode(text, add_special_tokens=False)) >= bound.least_tokens(text), text[:40]
 
 
 @pytest.mark.parametrize(
     "tokenizer",
     [
-        # NFKC makes one character of several ("ｶﾞ" -> "ガ"); Strip drops any run of spaces
-        _fast(models.BPE(dict(VOCAB), [], byte_fallback=True), normalizer=normalizers.NFKC()),
+        # NFKC makes one character of several ("ｶﾞ" -> "ガ"): measured in that form when it comes
+        # first, not after another step; Strip drops any run of spaces
+        _fast(
+            models.BPE(dict(VOCAB), [], byte_fallback=True),
+            normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.NFKC()]),
+        ),
         _fast(models.BPE(dict(VOCAB), [], byte_fallback=True), normalizer=normalizers.Strip()),
         _fast(
             models.BPE(dict(VOCAB), [], byte_fallback=True),
@@ -343,7 +410,7 @@ def test_the_longest_token_counts_added_tokens_and_byte_fallback_as_one_characte
         FakeTokenizer(),  # not a fast tokenizer: nothing to read the pipeline from
     ],
     ids=[
-        "nfkc",
+        "nfkc-second",
         "strip",
         "replace-shorter",
         "whitespace",
@@ -355,7 +422,7 @@ def test_the_longest_token_counts_added_tokens_and_byte_fallback_as_one_characte
     ],
 )
 def test_no_bound_where_the_tokenizer_may_drop_or_merge_characters(tokenizer: Any) -> None:
-    assert longest_token_chars(tokenizer) is None
+    assert token_bound(tokenizer) is None
 
 
 class BoundedTokenizer(FakeTokenizer):
