@@ -116,6 +116,12 @@ def test_pinned_preloaded_and_foreign_adapters(gateway: LiveGateway) -> None:
 
         eventually(lambda: placed() == four_and_one, 12, "four in a slot", lambda: str(residency(gateway)))
         assert residency(gateway)["warm"] == "gpu"
+        counted = r'^gateway_adapters\{residency="(gpu|cpu)"\} (\S+)$'
+        eventually(
+            lambda: dict(re.findall(counted, metrics(gateway), re.M)) == {"gpu": "4.0", "cpu": "1.0"},
+            12,
+            "the metric counting them",
+        )
         outside = next(name for name in five if residency(gateway)[name] == "cpu")
         still_serves(gateway, outside)  # its batch takes a slot from another adapter
         eventually(
