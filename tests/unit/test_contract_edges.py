@@ -127,7 +127,9 @@ class GemmaTokenizerEngine(FakeEngine):
 
 @needs_model
 async def test_tokenize_counts_chats_prompt_with_tool_turns(serve: Serve) -> None:
-    served = await serve(GemmaTokenizerEngine(max_model_len=1000))
+    engine = GemmaTokenizerEngine(max_model_len=1000)
+    assert engine.tokenizer is not None  # loaded now, not within the app's 5 s to be ready
+    served = await serve(engine)
     call = {
         "id": "call_1",
         "type": "function",
