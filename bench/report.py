@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lora import adapter_lines, cold_lines, lora_goals
+from bench.servers import RESIDENCIES, residency_key
 
 TARGETS = ("vllm", "gateway", "ceiling", "offline")
 BOUNDS = ("ceiling", "offline")  # the engine with no HTTP: AsyncLLM tasks, LLMEngine.step() loop
@@ -426,11 +427,11 @@ def residency(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, An
     for mix in meta["mixes"]:
         for c in meta["concurrencies"]:
             p = pts.get(("gateway", mix, c))
-            if p and p.get("residency_gpu") is not None:
+            if p and p.get(residency_key("gpu")) is not None:
                 counts = [
-                    f"{where} {_f(p.get('residency_' + where.replace(' ', '_')), '{:.0f}')}"
-                    for where in ("gpu", "cpu", "loaded", "not loaded")
-                    if p.get("residency_" + where.replace(" ", "_"))
+                    f"{where} {_f(p[residency_key(where)], '{:.0f}')}"
+                    for where in RESIDENCIES
+                    if p.get(residency_key(where))
                 ]
                 rows.append(f"{mix} c={c}: {', '.join(counts) or 'none'}")
     if not rows:

@@ -354,7 +354,12 @@ def engine_histograms(base_url: str, api_key: str) -> dict[str, tuple[float, flo
     return {key: (s, c) for key, (s, c) in out.items()}
 
 
-RESIDENCIES = ("gpu", "cpu", "loaded", "not loaded")
+RESIDENCIES = ("gpu", "cpu", "loaded", "not loaded")  # the gateway's ``adapter_slots.Residency``
+
+
+def residency_key(where: str) -> str:
+    """A point's field for the adapters at ``where``: ``residency_not_loaded``, ..."""
+    return "residency_" + where.replace(" ", "_")
 
 
 def adapter_residency(base_url: str, api_key: str) -> dict[str, int]:
@@ -369,7 +374,7 @@ def adapter_residency(base_url: str, api_key: str) -> dict[str, int]:
     seen = [c["residency"] for c in cards if c.get("residency") in RESIDENCIES and not c.get("alias_of")]
     if not seen:
         return {}
-    return {f"residency_{where.replace(' ', '_')}": seen.count(where) for where in RESIDENCIES}
+    return {residency_key(where): seen.count(where) for where in RESIDENCIES}
 
 
 def engine_means_ms(

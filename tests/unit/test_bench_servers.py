@@ -100,3 +100,12 @@ def test_adapter_residency_counts_the_gateways_adapters_once(monkeypatch: pytest
         "residency_not_loaded": 1,
     }
     assert servers.adapter_residency("http://x", "k") == {}  # vLLM's server does not say
+
+
+def test_the_bench_knows_every_residency_the_gateway_reports() -> None:
+    from typing import get_args
+
+    from bench.servers import RESIDENCIES
+    from gateway.adapter_slots import Residency
+
+    assert get_args(Residency) == RESIDENCIES
