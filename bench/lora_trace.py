@@ -14,13 +14,28 @@ from typing import Any
 SITE = Path(__file__).resolve().parent / "trace_site"
 VAR = "BENCH_LORA_TRACE"
 FLUSH_S = 0.5  # how often the engine process writes its counters
+# Engine steps by the tokens they schedule: bucket i holds steps of fewer than STEP_EDGES[i]
+# tokens (and at least the edge before), the last bucket the rest.
+STEP_EDGES = (1, 64, 256, 512, 1024, 2048, 4096)
+EDGES_VAR = "BENCH_STEP_EDGES"
 
 
 def server_env(env: dict[str, str], folder: Path) -> dict[str, str]:
     """``env`` with the trace on: trace_site first on PYTHONPATH, counters into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH", "")) if p)
-    return {**env, "PYTHONPATH": path, VAR: str(folder)}
+    return {**env, "PYTHONPATH": path, VAR: str(folder), EDGES_VAR: ",".join(map(str, STEP_EDGES))}
+
+
+def bucket_names() -> list[str]:
+    """The step buckets' labels: "0", "1-63", ..., "4096+"."""
+    lows = (0, *STEP_EDGES)
+    return [
+        f"{lo}+"
+        if i == len(STEP_EDGES)
+        else (str(lo) if STEP_EDGES[i] == lo + 1 else f"{lo}-{STEP_EDGES[i] - 1}")
+        for i, lo in enumerate(lows)
+    ]
 
 
 def read(env: dict[str, str], settle: bool = False) -> dict[str, float] | None:
@@ -61,4 +76,24 @@ def point_fields(before: dict[str, float] | None, after: dict[str, float] | None
         "lora_adapters_per_step": d["adapters"] / d["applies"] if d["applies"] else None,
         "sched_ms_mean": d["schedule_s"] / d["schedules"] * 1000 if d["schedules"] else None,
         "sched_waiting_mean": d["waiting"] / d["schedules"] if d["schedules"] else None,
+        **_step_fields(d),
     }
+
+
+def _step_fields(d: defaultdict[str, float]) -> dict[str, float | None]:
+    """The point's engine steps by size: per bucket the steps, their mean tokens and requests
+    and their mean length (ms, schedule to schedule), and the same over all steps."""
+    fields: dict[str, float | None] = {}
+    for i in range(len(STEP_EDGES) + 1):
+        n = d[f"b{i}_steps"]
+        fields[f"step_b{i}_n"] = n
+        fields[f"step_b{i}_tokens"] = d[f"b{i}_tokens"] / n if n else None
+        fields[f"step_b{i}_reqs"] = d[f"b{i}_reqs"] / n if n else None
+        fields[f"step_b{i}_ms"] = d[f"b{i}_gap_s"] / n * 1000 if n else None
+    n = sum(d[f"b{i}_steps"] for i in range(len(STEP_EDGES) + 1))
+    fields["step_n"] = n
+    fields["step_tokens_mean"] = sum(d[f"b{i}_tokens"] for i in range(len(STEP_EDGES) + 1)) / n if n else None
+    fields["step_ms_mean"] = (
+        sum(d[f"b{i}_gap_s"] for i in range(len(STEP_EDGES) + 1)) / n * 1000 if n else None
+    )
+    return fields

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lora import adapter_lines, cold_lines, lora_goals
+from bench.lora_trace import bucket_names
 from bench.servers import RESIDENCIES, residency_key
 
 TARGETS = ("vllm", "gateway", "ceiling", "offline")
@@ -288,6 +289,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.insert(at, "- gateway settings: " + ", ".join(f"`--set {kv}`" for kv in m["gateway_set"]))
     lines += ttft_split(m, pts)
     lines += lora_work(m, pts)
+    lines += step_shape(m, pts)
     lines += residency(m, pts)
     lines += [
         "",
@@ -417,6 +419,41 @@ def lora_work(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, An
         "| target | mix | conc | steps with LoRA | adapters / step | copies into a GPU slot | ms each | s in all "
         "| loads from disk | ms each | s in all | scheduler ms / step | waiting in the engine / step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def step_shape(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
+    """`--lora-trace`: each engine's steps by the tokens they scheduled (means over passes)."""
+    names = bucket_names()
+    rows = []
+    for mix in meta["mixes"]:
+        for c in meta["concurrencies"]:
+            for t in ("vllm", "gateway"):
+                p = pts.get((t, mix, c))
+                if not p or not p.get("step_n"):
+                    continue
+                cells = [
+                    f"{_f(p.get(f'step_b{i}_n'), '{:.0f}')} x {_f(p.get(f'step_b{i}_ms'), '{:.2f}')}"
+                    if p.get(f"step_b{i}_n")
+                    else "-"
+                    for i in range(len(names))
+                ]
+                rows.append(
+                    f"| {t} | {mix} | {c} | {_f(p['step_n'], '{:.0f}')} | {_f(p.get('step_tokens_mean'), '{:.1f}')} "
+                    f"| {_f(p.get('step_ms_mean'), '{:.3f}')} | " + " | ".join(cells) + " |"
+                )
+    if not rows:
+        return []
+    return [
+        "",
+        "Engine steps by the tokens they schedule (`--lora-trace`; a step's length is the wall time from its "
+        "schedule to the next one; per bucket: steps x mean ms):",
+        "",
+        "| target | mix | conc | steps | tokens / step | ms / step | "
+        + " | ".join(f"{n} tokens" for n in names)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(names),
         *rows,
     ]
 

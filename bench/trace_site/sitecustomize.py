@@ -13,13 +13,19 @@ counters to ``<folder>/<pid>.json`` every 0.5 s:
   with the number of adapters that step's batch names (``adapters``);
 - ``schedules``: vLLM's ``Scheduler.schedule``, once per engine step, with its time and the
   requests waiting in the engine when it began (``waiting``): the scheduler looks at each
-  waiting request it cannot place (one whose adapter finds no free slot) at every step.
+  waiting request it cannot place (one whose adapter finds no free slot) at every step;
+- ``b<i>_steps``, ``b<i>_tokens``, ``b<i>_reqs``, ``b<i>_gap_s``: the steps by the tokens they
+  schedule (bucket ``i`` of the edges in ``BENCH_STEP_EDGES``, from bench/lora_trace.py:
+  tokens below edge ``i``, the last bucket the rest), with their tokens, their requests and the wall time from their ``schedule`` to the
+  next one (the step's length as the engine's loop sees it; a gap over ``IDLE_S``, the engine
+  waiting for work, is not counted).
 
 Times are wall seconds in the engine's loop. An activation copies from pageable host memory,
 so its time includes waiting for the GPU work queued before it.
 bench/ never imports this file; it only ever runs inside a server under test.
 """
 
+import bisect
 import json
 import os
 import sys
@@ -32,6 +38,11 @@ _LORA = ("vllm.lora.worker_manager", "LRUCacheWorkerLoRAManager")
 _SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 
 
+STEP_EDGES = tuple(int(e) for e in os.environ.get("BENCH_STEP_EDGES", "").split(",") if e)
+IDLE_S = 0.25
+_BUCKET_KEYS = tuple(
+    f"b{i}_{what}" for i in range(len(STEP_EDGES) + 1) for what in ("steps", "tokens", "reqs", "gap_s")
+)
 _COUNTS = dict.fromkeys(
     (
         "loads",
@@ -43,6 +54,7 @@ _COUNTS = dict.fromkeys(
         "schedules",
         "schedule_s",
         "waiting",
+        *_BUCKET_KEYS,
     ),
     0.0,
 )
@@ -89,15 +101,25 @@ def _install_scheduler() -> None:
 
     counts = _COUNTS
     schedule = sched.Scheduler.schedule
+    last: list = [None]  # the previous step: (its start, bucket, tokens, requests)
 
     def _schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         counts["schedules"] += 1
         counts["waiting"] += len(self.waiting) + len(getattr(self, "skipped_waiting", ()))
         t = time.perf_counter()
-        try:
-            return schedule(self, *args, **kwargs)
-        finally:
-            counts["schedule_s"] += time.perf_counter() - t
+        if last[0] is not None:
+            started, bucket, tokens, reqs = last[0]
+            if t - started <= IDLE_S:
+                counts[f"b{bucket}_steps"] += 1
+                counts[f"b{bucket}_tokens"] += tokens
+                counts[f"b{bucket}_reqs"] += reqs
+                counts[f"b{bucket}_gap_s"] += t - started
+        out = schedule(self, *args, **kwargs)
+        counts["schedule_s"] += time.perf_counter() - t
+        tokens = getattr(out, "total_num_scheduled_tokens", 0)
+        reqs = len(getattr(out, "num_scheduled_tokens", ()))
+        last[0] = (t, bisect.bisect_right(STEP_EDGES, tokens), tokens, reqs)
+        return out
 
     sched.Scheduler.schedule = _schedule
 

@@ -160,3 +160,70 @@ def test_the_report_says_where_the_gateways_adapters_were() -> None:
     assert lines[-1].endswith("after each point (its `/v1/models`): base c=4: gpu 4, cpu 12.")
     plain = _result([100.0], [120.0])
     assert report.residency(plain["meta"], report.index(plain["points"])) == []
+
+
+def test_the_trace_site_buckets_engine_steps_by_their_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site's wrapper of vLLM's ``Scheduler.schedule``, on a stand-in scheduler module and
+    a stepped clock: each step lands in its tokens' bucket with its length (schedule to next
+    schedule), and a gap over IDLE_S (the engine waiting for work) is not counted."""
+    import importlib.util
+    import sys
+    import types
+
+    from bench import lora_trace
+
+    env = lora_trace.server_env({}, tmp_path / "trace")
+    monkeypatch.setenv(lora_trace.VAR, "")  # no flush thread in this process
+    monkeypatch.setenv(lora_trace.EDGES_VAR, env[lora_trace.EDGES_VAR])
+    spec = importlib.util.spec_from_file_location(
+        "trace_site_under_test", lora_trace.SITE / "sitecustomize.py"
+    )
+    assert spec is not None and spec.loader is not None
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.waiting: list[int] = [1, 2]
+
+        def schedule(self, tokens: int, reqs: int) -> Any:
+            return types.SimpleNamespace(
+                total_num_scheduled_tokens=tokens, num_scheduled_tokens=dict.fromkeys(range(reqs))
+            )
+
+    module = types.ModuleType("vllm.v1.core.sched.scheduler")
+    module.Scheduler = Scheduler  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", module)
+    clock = iter([0.0, 0.0, 0.010, 0.010, 0.014, 0.014, 0.015, 0.015, 5.0, 5.0, 5.002, 5.002])
+    monkeypatch.setattr(site.time, "perf_counter", lambda: next(clock))
+    site._install_scheduler()
+    s = Scheduler()
+    for tokens, reqs in [(1200, 40), (60, 60), (0, 0), (300, 30), (1100, 30), (5, 5)]:
+        s.schedule(tokens, reqs)
+    before = {k: 0.0 for k in site._COUNTS}
+    fields = lora_trace.point_fields(before, dict(site._COUNTS))
+    names = lora_trace.bucket_names()
+    big = names.index("1024-2047")
+    # steps counted: 1200 (10 ms), 60 (4 ms), 0 (1 ms), 1100 (2 ms); 300 was followed by 5 s idle
+    assert fields[f"step_b{big}_n"] == 2 and fields[f"step_b{big}_ms"] == pytest.approx(6.0)
+    assert fields[f"step_b{big}_tokens"] == pytest.approx(1150) and fields[
+        f"step_b{big}_reqs"
+    ] == pytest.approx(35)
+    assert fields[f"step_b{names.index('1-63')}_n"] == 1 and fields[f"step_b{names.index('0')}_n"] == 1
+    assert (
+        fields[f"step_b{names.index('256-511')}_n"] == 0
+        and fields[f"step_b{names.index('256-511')}_ms"] is None
+    )
+    assert fields["step_n"] == 4 and fields["step_ms_mean"] == pytest.approx(17 / 4)
+    assert fields["step_tokens_mean"] == pytest.approx(2360 / 4)
+    assert fields["sched_waiting_mean"] == pytest.approx(2.0)
+
+    result = _result([100.0], [120.0])
+    result["points"][1].update(fields)
+    lines = report.step_shape(result["meta"], report.index(result["points"]))
+    assert lines[-1].startswith("| gateway | base | 4 | 4 | 590.0 | 4.250 | 1 x 1.00 | 1 x 4.00 | - |")
+    assert "| 2 x 6.00 |" in lines[-1] and len(lines[-2].split("|")) == len(lines[-1].split("|"))
