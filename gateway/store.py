@@ -18,6 +18,12 @@ so a write never scans the table; the oldest rows come from an index by age. Eac
 one ``BEGIN IMMEDIATE`` transaction, so no other process writes between its count and its
 evictions.
 
+The file gives its space back: a new file is made with SQLite's incremental auto-vacuum, and
+a write that purged or evicted rows frees the pages they leave once they come to a few MB
+(``_SHRINK_PAGES``), so the file follows the rows kept down as well as up; a file from
+before is rewritten once at open (``VACUUM``) to take the same mode. The write-ahead log is
+cut back to ``_WAL_LIMIT`` at each checkpoint.
+
 SQLite calls block, so the async methods run them in a worker thread
 (``asyncio.to_thread``); one connection, one lock, so calls never interleave. A path of
 ``":memory:"`` keeps everything in memory (tests).
@@ -72,6 +78,8 @@ _INDEXES = (
     "CREATE INDEX IF NOT EXISTS responses_owner_age ON responses (owner, created_at, size)",
 )
 _EVICT_BATCH = 64
+_SHRINK_PAGES = 1024  # free pages (4 KiB each by default) that a write gives back to the disk
+_WAL_LIMIT = 4 << 20
 _PURGE_EVERY_S = 60.0
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -195,7 +203,8 @@ class ResponseStore:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        """One transaction, under the lock; a failed one leaves the totals as they were."""
+        """One transaction, under the lock; a failed one leaves the totals as they were. After
+        it commits, the free pages it left go back to the disk once there are enough of them."""
         with self._lock:
             db = self._connect()
             before = None
@@ -210,6 +219,7 @@ class ResponseStore:
                 if before is not None:
                     self._bytes, self._rows, self._total = before
                 raise
+            _shrink(db, self.path)
 
     def _drop(self, db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> bool:
         """Run a DELETE and take its rows off the totals; whether it removed any."""
@@ -282,7 +292,10 @@ class ResponseStore:
         themselves), or at once with "database is locked" (a statement that reads the schema,
         then writes, after another connection changed it, gets no busy wait). Under the lock
         a second opener waits, then finds everything there."""
+        # Before the first table: it takes effect only in a file with none (an old one: below).
+        db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         _locked_retry(lambda: db.execute("PRAGMA journal_mode=WAL"))  # readers never wait for a writer
+        db.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
         with db:
             db.execute("BEGIN IMMEDIATE")
             db.execute(_SCHEMA)
@@ -293,6 +306,9 @@ class ResponseStore:
                 db.execute(_FILL, (self.ttl_s,))  # its age as if written under this ttl
             for statement in _INDEXES:
                 db.execute(statement)
+        (mode,) = db.execute("PRAGMA auto_vacuum").fetchone()
+        if mode != _INCREMENTAL:
+            _take_auto_vacuum(db, self.path)
 
     def _read_totals(self, db: sqlite3.Connection) -> None:
         """The totals from the file, unless they are current: nothing but this connection
@@ -319,6 +335,35 @@ def _locked_retry(statement: Callable[[], object], wait_s: float = 5.0) -> None:
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
+
+
+def _shrink(db: sqlite3.Connection, path: str) -> None:
+    """Give the free pages back to the disk once there are ``_SHRINK_PAGES`` of them (rows
+    purged, evicted, deleted or replaced), so a store that shrank does not keep its peak size.
+    Its own transaction, after the write's: a failure here (another process holds the file)
+    leaves the pages for the next write and fails nothing."""
+    try:
+        (free,) = db.execute("PRAGMA freelist_count").fetchone()
+        if free >= _SHRINK_PAGES:
+            # ``executescript`` steps it to the end; ``execute`` would free one page a call.
+            db.executescript("PRAGMA incremental_vacuum")
+    except sqlite3.OperationalError as exc:
+        log.debug("response store %s: free pages kept for now: %s", path, exc)
+
+
+def _take_auto_vacuum(db: sqlite3.Connection, path: str) -> None:
+    """A file made before the store shrank: rewrite it once (``VACUUM``) so the auto-vacuum
+    mode set above applies. Another gateway using the file at that moment leaves it as it is
+    until a later start; the store works the same, only its file keeps its size."""
+    try:
+        db.execute("VACUUM")
+    except sqlite3.OperationalError as exc:
+        log.warning(
+            "response store %s: not rewritten to give space back (%s); it will be at a later start", path, exc
+        )
 
 
 def _missing_columns(db: sqlite3.Connection) -> list[str]:

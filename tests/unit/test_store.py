@@ -340,3 +340,71 @@ def test_a_file_shared_with_another_gateway_counts_its_writes(tmp_path: Path) ->
     mine.put_now("alice", response("resp_5"), HISTORY)  # two rows of three: nothing to evict
     assert ids(mine, "bob", "resp_4") == ["resp_4"] and ids(mine, "alice", "resp_5") == ["resp_5"]
     assert mine.usage() == (2, 2 * size_of())
+
+
+def _fill(store: ResponseStore, owner: str, n: int, size: int = 20_000) -> None:
+    for i in range(n):
+        store.put_now(owner, {**response(f"resp_{owner}_{i}"), "text": "x" * size}, HISTORY)
+
+
+def test_the_file_gives_space_back_when_rows_expire(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gateway.store._SHRINK_PAGES", 16)
+    path = tmp_path / "responses.sqlite3"
+    clock = Clock()
+    store = ResponseStore(path, ttl_s=10, clock=clock)
+    _fill(store, "alice", 200)  # about 4 MB
+    db = sqlite3.connect(path)
+    full = db.execute("PRAGMA page_count").fetchone()[0]
+    assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental, from the first table on
+    clock.now += 100
+    store.put_now("alice", response("resp_new"), HISTORY)  # purges the 200
+    assert store.count_now() == 1
+    after = db.execute("PRAGMA page_count").fetchone()[0]
+    assert after < full / 20, (full, after)  # pages, as the next checkpoint cuts the file to
+
+
+def test_deletes_give_space_back_only_past_the_threshold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(path, ttl_s=1000, clock=Clock())
+    _fill(store, "alice", 40)
+    db = sqlite3.connect(path)
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    assert store.delete_now("alice", "resp_alice_0")
+    assert db.execute("PRAGMA page_count").fetchone()[0] == pages  # a few free pages: kept for reuse
+    assert db.execute("PRAGMA freelist_count").fetchone()[0] > 0
+    monkeypatch.setattr("gateway.store._SHRINK_PAGES", 1)
+    assert store.delete_now("alice", "resp_alice_1")
+    assert db.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    assert db.execute("PRAGMA page_count").fetchone()[0] < pages
+    assert store.get_now("alice", "resp_alice_2") is not None  # the rest as they were
+
+
+def test_a_file_made_before_it_shrank_is_rewritten_once_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "responses.sqlite3"
+    old = sqlite3.connect(path)
+    old.execute("PRAGMA auto_vacuum = NONE")
+    old.execute("CREATE TABLE t (x)")
+    old.commit()
+    old.close()
+    first = ResponseStore(path, ttl_s=1000, clock=Clock())
+    first.put_now("alice", response(), HISTORY)
+    first.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+    again = ResponseStore(path, ttl_s=1000, clock=Clock()).get_now("alice", "resp_1")
+    assert again is not None and again.history == HISTORY
+
+
+def test_a_file_it_cannot_rewrite_now_is_left_as_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gateway.store import _take_auto_vacuum
+
+    db = sqlite3.connect(tmp_path / "responses.sqlite3")
+    db.execute("CREATE TABLE t (x)")
+    db.execute("INSERT INTO t VALUES (1)")  # a transaction open: SQLite refuses VACUUM in one
+    _take_auto_vacuum(db, "the path")
+    assert "the path: not rewritten" in caplog.text
+    assert db.execute("SELECT x FROM t").fetchall() == [(1,)]
