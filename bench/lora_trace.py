@@ -18,13 +18,16 @@ FLUSH_S = 0.5  # how often the engine process writes its counters
 # tokens (and at least the edge before), the last bucket the rest.
 STEP_EDGES = (1, 64, 256, 512, 1024, 2048, 4096)
 EDGES_VAR = "BENCH_STEP_EDGES"
+IDLE_VAR = "BENCH_STEP_IDLE_S"  # a gap between steps over this is the engine idle, not a step
 
 
-def server_env(env: dict[str, str], folder: Path) -> dict[str, str]:
-    """``env`` with the trace on: trace_site first on PYTHONPATH, counters into ``folder``."""
+def server_env(env: dict[str, str], folder: Path, idle_s: float) -> dict[str, str]:
+    """``env`` with the trace on: trace_site first on PYTHONPATH, counters into ``folder``;
+    ``idle_s``: the longest gap between two engine steps that is still a step."""
     folder.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH", "")) if p)
-    return {**env, "PYTHONPATH": path, VAR: str(folder), EDGES_VAR: ",".join(map(str, STEP_EDGES))}
+    edges = ",".join(map(str, STEP_EDGES))
+    return {**env, "PYTHONPATH": path, VAR: str(folder), EDGES_VAR: edges, IDLE_VAR: str(idle_s)}
 
 
 def bucket_names() -> list[str]:

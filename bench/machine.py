@@ -40,6 +40,9 @@ _CPU: dict[str, Any] = dict(
     structured_concurrencies=[1, 16],
     structured_output_tokens=128,
     start_timeout_s=900,
+    # --lora-trace: a gap between engine steps over this is the engine idle, not a step (a
+    # prefill step on 2 cores takes a second or more)
+    step_idle_s=5.0,
 )
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -76,6 +79,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         structured_concurrencies=[1, 64, 256],
         structured_output_tokens=128,
         start_timeout_s=900,
+        step_idle_s=0.25,  # steps of 5-30 ms
     ),
 }
 

@@ -229,7 +229,7 @@ class Bench:
             else gateway_env(self.env, self.api_key, 16 * max(self.p["concurrencies"]) + 64)
         )
         if self.args.lora_trace:
-            env = lora_trace.server_env(env, self.out / "logs" / f"lora-trace-{label}")
+            env = lora_trace.server_env(env, self.out / "logs" / f"lora-trace-{label}", self.p["step_idle_s"])
         self.result["servers"][label] = {"cmd": cmd}
         log(f"starting {target}: {' '.join(cmd)}")
         return Server(target, cmd, port, ready, env, self.out / "logs" / f"{label}.log")

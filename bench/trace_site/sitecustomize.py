@@ -17,8 +17,8 @@ counters to ``<folder>/<pid>.json`` every 0.5 s:
 - ``b<i>_steps``, ``b<i>_tokens``, ``b<i>_reqs``, ``b<i>_gap_s``: the steps by the tokens they
   schedule (bucket ``i`` of the edges in ``BENCH_STEP_EDGES``, from bench/lora_trace.py:
   tokens below edge ``i``, the last bucket the rest), with their tokens, their requests and the wall time from their ``schedule`` to the
-  next one (the step's length as the engine's loop sees it; a gap over ``IDLE_S``, the engine
-  waiting for work, is not counted).
+  next one (the step's length as the engine's loop sees it; a gap over ``BENCH_STEP_IDLE_S``,
+  the engine waiting for work, is not counted).
 
 Times are wall seconds in the engine's loop. An activation copies from pageable host memory,
 so its time includes waiting for the GPU work queued before it.
@@ -39,7 +39,7 @@ _SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 
 
 STEP_EDGES = tuple(int(e) for e in os.environ.get("BENCH_STEP_EDGES", "").split(",") if e)
-IDLE_S = 0.25
+IDLE_S = float(os.environ.get("BENCH_STEP_IDLE_S") or 0.25)
 _BUCKET_KEYS = tuple(
     f"b{i}_{what}" for i in range(len(STEP_EDGES) + 1) for what in ("steps", "tokens", "reqs", "gap_s")
 )

@@ -126,7 +126,7 @@ def test_the_gateway_is_measured_against_the_faster_no_http_loop() -> None:
 def test_lora_trace_sums_the_engine_processes_and_takes_a_points_difference(tmp_path: Path) -> None:
     from bench import lora_trace
 
-    env = lora_trace.server_env({"PYTHONPATH": "/root/site"}, tmp_path / "trace")
+    env = lora_trace.server_env({"PYTHONPATH": "/root/site"}, tmp_path / "trace", 0.25)
     assert env["PYTHONPATH"].split(":") == [str(lora_trace.SITE), "/root/site"]
     assert lora_trace.read({}) is None and lora_trace.point_fields(None, None) == {}
     before = lora_trace.read(env)
@@ -167,16 +167,17 @@ def test_the_trace_site_buckets_engine_steps_by_their_tokens(
 ) -> None:
     """The site's wrapper of vLLM's ``Scheduler.schedule``, on a stand-in scheduler module and
     a stepped clock: each step lands in its tokens' bucket with its length (schedule to next
-    schedule), and a gap over IDLE_S (the engine waiting for work) is not counted."""
+    schedule), and a gap over the idle bound (the engine waiting for work) is not counted."""
     import importlib.util
     import sys
     import types
 
     from bench import lora_trace
 
-    env = lora_trace.server_env({}, tmp_path / "trace")
+    env = lora_trace.server_env({}, tmp_path / "trace", 0.5)
     monkeypatch.setenv(lora_trace.VAR, "")  # no flush thread in this process
     monkeypatch.setenv(lora_trace.EDGES_VAR, env[lora_trace.EDGES_VAR])
+    monkeypatch.setenv(lora_trace.IDLE_VAR, env[lora_trace.IDLE_VAR])
     spec = importlib.util.spec_from_file_location(
         "trace_site_under_test", lora_trace.SITE / "sitecustomize.py"
     )
@@ -198,6 +199,7 @@ def test_the_trace_site_buckets_engine_steps_by_their_tokens(
     for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", module)
+    assert site.IDLE_S == 0.5
     clock = iter([0.0, 0.0, 0.010, 0.010, 0.014, 0.014, 0.015, 0.015, 5.0, 5.0, 5.002, 5.002])
     monkeypatch.setattr(site.time, "perf_counter", lambda: next(clock))
     site._install_scheduler()
