@@ -272,7 +272,7 @@ def lora_goals(
         # The goal fixes max_loras on both servers; a gateway given its own slots is another row.
         meta = result["meta"]
         own = [kv for kv in meta.get("gateway_set", []) if kv.startswith("engine.max_loras=")]
-        if meta.get("max_loras_set"):
+        if meta.get("max_loras_set") and meta["max_loras_set"] != meta.get("lora16_max_loras"):
             own.insert(0, f"--max-loras {meta['max_loras_set']} on both servers")
         out.append(
             (

@@ -114,6 +114,7 @@ class Bench:
                 "together": bool(args.together),
                 "gateway_set": list(args.gateway_set),
                 "max_loras_set": args.max_loras,
+                "lora16_max_loras": self.p["lora16_max_loras"],  # the goal's slots for a lora16 mix
                 "adapter_rank": self.p["adapter_rank"],
                 "client": (
                     "vllm bench serve (vllm.benchmarks.serve in run.py's process; /v1/completions, "

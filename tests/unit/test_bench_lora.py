@@ -164,9 +164,12 @@ def test_the_lora16_ratio_is_not_judged_when_the_gateway_sets_its_own_slots() ->
         "worst 2.200 (lora16 c=64); not judged: the run set engine.max_loras=auto, the goal's mix fixes "
         "max_loras on both servers at the profile's"
     )
-    result["meta"] |= {"gateway_set": [], "max_loras_set": 17}
+    result["meta"] |= {"gateway_set": [], "max_loras_set": 17, "lora16_max_loras": 4}
     goal = lora_goals(result, report.compare(result), gpu=True)[0]
     assert goal[1] is None and "the run set --max-loras 17 on both servers, the goal's" in goal[2]
+    result["meta"] |= {"max_loras_set": 4}  # the goal's own slots, named: judged
+    goal = lora_goals(result, report.compare(result), gpu=True)[0]
+    assert goal[1] is True and goal[2] == "worst 2.200 (lora16 c=64)"
 
 
 def test_a_starved_adapter_fails_its_goal_and_shows_in_the_table() -> None:
