@@ -313,30 +313,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-ms", type=float, default=Engine.load_ms, help="host memory -> GPU slot")
     parser.add_argument("--disk-ms", type=float, default=Engine.disk_ms, help="disk -> host memory")
     args = parser.parse_args(argv)
-    costs = {"load_ms": args.load_ms, "disk_ms": args.disk_ms}
     gateway = Gateway(args.quantum_s, args.max_wait_s)
+    every = Engine(slots=args.slots, host_cache=1 << 20, load_ms=args.load_ms, disk_ms=args.disk_ms)
+    cases: list[tuple[str, str, Engine]] = [
+        ("vllm", "vLLM's server (host cache max_loras)", replace(every, host_cache=args.slots)),
+        ("vllm", "vLLM's order, every adapter in host memory", every),
+        ("gateway", "gateway (every adapter in host memory)", every),
+        ("bound", "bound (free pauses and swaps)", every),
+    ]
     rows: list[tuple[str, ...]] = []
     for streams in args.streams:
         per_stream = args.requests_per_stream or (6 if streams <= 64 else 3)
         load = Load(streams=streams, requests=streams * per_stream, zipf=args.zipf)
-        cases: list[tuple[str, str, Engine]] = [
-            (
-                "vllm",
-                "vLLM's server (host cache max_loras)",
-                Engine(slots=args.slots, host_cache=args.slots, **costs),
-            ),
-            (
-                "vllm",
-                "vLLM's order, every adapter in host memory",
-                Engine(slots=args.slots, host_cache=1 << 20, **costs),
-            ),
-            (
-                "gateway",
-                "gateway (every adapter in host memory)",
-                Engine(slots=args.slots, host_cache=1 << 20, **costs),
-            ),
-            ("bound", "bound (free pauses and swaps)", Engine(slots=args.slots, host_cache=1 << 20, **costs)),
-        ]
         baseline = 0.0
         for order, label, engine in cases:
             results = [simulate(order, engine, replace(load, seed=s), gateway) for s in range(args.seeds)]

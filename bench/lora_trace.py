@@ -87,16 +87,15 @@ def _step_fields(d: defaultdict[str, float]) -> dict[str, float | None]:
     """The point's engine steps by size: per bucket the steps, their mean tokens and requests
     and their mean length (ms, schedule to schedule), and the same over all steps."""
     fields: dict[str, float | None] = {}
+    steps = tokens = gap_s = 0.0
     for i in range(len(STEP_EDGES) + 1):
         n = d[f"b{i}_steps"]
         fields[f"step_b{i}_n"] = n
         fields[f"step_b{i}_tokens"] = d[f"b{i}_tokens"] / n if n else None
         fields[f"step_b{i}_reqs"] = d[f"b{i}_reqs"] / n if n else None
         fields[f"step_b{i}_ms"] = d[f"b{i}_gap_s"] / n * 1000 if n else None
-    n = sum(d[f"b{i}_steps"] for i in range(len(STEP_EDGES) + 1))
-    fields["step_n"] = n
-    fields["step_tokens_mean"] = sum(d[f"b{i}_tokens"] for i in range(len(STEP_EDGES) + 1)) / n if n else None
-    fields["step_ms_mean"] = (
-        sum(d[f"b{i}_gap_s"] for i in range(len(STEP_EDGES) + 1)) / n * 1000 if n else None
-    )
+        steps, tokens, gap_s = steps + n, tokens + d[f"b{i}_tokens"], gap_s + d[f"b{i}_gap_s"]
+    fields["step_n"] = steps
+    fields["step_tokens_mean"] = tokens / steps if steps else None
+    fields["step_ms_mean"] = gap_s / steps * 1000 if steps else None
     return fields
