@@ -289,7 +289,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.insert(at, "- gateway settings: " + ", ".join(f"`--set {kv}`" for kv in m["gateway_set"]))
     lines += ttft_split(m, pts)
     lines += lora_work(m, pts)
-    lines += step_shape(m, pts)
+    lines += step_shape(m, groups)
     lines += residency(m, pts)
     lines += [
         "",
@@ -423,25 +423,30 @@ def lora_work(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, An
     ]
 
 
-def step_shape(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:
-    """`--lora-trace`: each engine's steps by the tokens they scheduled (means over passes)."""
+def step_shape(meta: dict[str, Any], groups: dict[tuple[str, str, int], list[dict[str, Any]]]) -> list[str]:
+    """`--lora-trace`: each engine's steps by the tokens they scheduled. Counts are means over
+    the passes; lengths and tokens per step are over every step of the passes (each pass's
+    mean weighted by its steps), so a size one pass never scheduled still has its length."""
     names = bucket_names()
     rows = []
     for mix in meta["mixes"]:
         for c in meta["concurrencies"]:
             for t in ("vllm", "gateway"):
-                p = pts.get((t, mix, c))
-                if not p or not p.get("step_n"):
+                ps = [p for p in groups.get((t, mix, c), []) if p.get("step_n")]
+                if not ps:
                     continue
-                cells = [
-                    f"{_f(p.get(f'step_b{i}_n'), '{:.0f}')} x {_f(p.get(f'step_b{i}_ms'), '{:.2f}')}"
-                    if p.get(f"step_b{i}_n")
-                    else "-"
-                    for i in range(len(names))
-                ]
+                cells = []
+                for i in range(len(names)):
+                    n = sum(p.get(f"step_b{i}_n") or 0 for p in ps)
+                    ms = _weighted(ps, f"step_b{i}_ms", f"step_b{i}_n")
+                    mean_n = n / len(ps)  # steps a pass: a size seldom scheduled keeps its fraction
+                    cells.append(f"{mean_n:.{0 if mean_n >= 10 else 1}f} x {_f(ms, '{:.2f}')}" if n else "-")
+                steps = sum(p["step_n"] for p in ps) / len(ps)
+                tokens = _weighted(ps, "step_tokens_mean", "step_n")
+                ms = _weighted(ps, "step_ms_mean", "step_n")
                 rows.append(
-                    f"| {t} | {mix} | {c} | {_f(p['step_n'], '{:.0f}')} | {_f(p.get('step_tokens_mean'), '{:.1f}')} "
-                    f"| {_f(p.get('step_ms_mean'), '{:.3f}')} | " + " | ".join(cells) + " |"
+                    f"| {t} | {mix} | {c} | {_f(steps, '{:.0f}')} | {_f(tokens, '{:.1f}')} "
+                    f"| {_f(ms, '{:.3f}')} | " + " | ".join(cells) + " |"
                 )
     if not rows:
         return []
@@ -456,6 +461,14 @@ def step_shape(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, A
         "|---|---|---|---|---|---|" + "---|" * len(names),
         *rows,
     ]
+
+
+def _weighted(ps: list[dict[str, Any]], key: str, weight: str) -> float | None:
+    """The mean of ``key`` over the passes, each weighted by its ``weight`` (a per-pass mean
+    over ``weight`` items is then the mean over all of them); None where none has one."""
+    pairs = [(p[key], p[weight]) for p in ps if p.get(key) is not None and p.get(weight)]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
 
 
 def residency(meta: dict[str, Any], pts: dict[tuple[str, str, int], dict[str, Any]]) -> list[str]:

@@ -226,6 +226,32 @@ def test_the_trace_site_buckets_engine_steps_by_their_tokens(
 
     result = _result([100.0], [120.0])
     result["points"][1].update(fields)
-    lines = report.step_shape(result["meta"], report.index(result["points"]))
-    assert lines[-1].startswith("| gateway | base | 4 | 4 | 590.0 | 4.250 | 1 x 1.00 | 1 x 4.00 | - |")
-    assert "| 2 x 6.00 |" in lines[-1] and len(lines[-2].split("|")) == len(lines[-1].split("|"))
+    lines = report.step_shape(result["meta"], report.passes(result["points"]))
+    assert lines[-1].startswith("| gateway | base | 4 | 4 | 590.0 | 4.250 | 1.0 x 1.00 | 1.0 x 4.00 | - |")
+    assert "| 2.0 x 6.00 |" in lines[-1] and len(lines[-2].split("|")) == len(lines[-1].split("|"))
+
+
+def test_the_step_table_weighs_each_pass_by_its_steps() -> None:
+    from bench import lora_trace
+
+    names = lora_trace.bucket_names()
+    small, big = names.index("1-63"), names.index("1024-2047")
+
+    def steps(n_small: int, ms_small: float | None, n_big: int, ms_big: float | None) -> dict[str, Any]:
+        fields: dict[str, Any] = {f"step_b{i}_n": 0 for i in range(len(names))}
+        fields.update({f"step_b{small}_n": n_small, f"step_b{small}_ms": ms_small})
+        fields.update({f"step_b{big}_n": n_big, f"step_b{big}_ms": ms_big})
+        n = n_small + n_big
+        fields["step_n"] = n
+        fields["step_ms_mean"] = ((ms_small or 0) * n_small + (ms_big or 0) * n_big) / n
+        fields["step_tokens_mean"] = (10 * n_small + 1500 * n_big) / n
+        return fields
+
+    result = _result([100.0], [120.0, 110.0])
+    result["points"][1].update(steps(3, 2.0, 1, 50.0))  # gateway pass 1: 4 steps, 56 ms
+    result["points"][2].update(steps(1, 4.0, 0, None))  # pass 2 had no big step at all
+    row = report.step_shape(result["meta"], report.passes(result["points"]))[-1]
+    # 5 steps over the two passes (2.5 a pass), 60 ms and 1,540 tokens in all
+    assert row.startswith("| gateway | base | 4 | 2 | 308.0 | 12.000 |")
+    cells = [c.strip() for c in row.split("|")[7:-1]]
+    assert cells[small] == "2.0 x 2.50" and cells[big] == "0.5 x 50.00"
