@@ -337,6 +337,8 @@ class AdapterSlots:
         if path is not None:
             self._discard_copy(path)
         if was_pinned:
+            if self.scheduler is not None:  # its slot is free for unpinned adapters again
+                self.scheduler.pins_changed()
             await self._pin_next_waiting()
 
     def _discard_copy(self, path: Path) -> None:

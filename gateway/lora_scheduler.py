@@ -24,7 +24,9 @@ it hands the engine work for at most ``slots`` adapters at a time:
   its next turn back: its requests share batches, which is the point.
 - Quantum: an adapter that has held its slot for ``quantum_s`` while others wait (or
   while more adapters are active than there are slots) takes no new requests (they
-  queue), so it drains and its slot moves on.
+  queue), so it drains and its slot moves on. Once nobody needs its slot any more (the
+  adapters it drained for got slots, or left), it takes requests again, those it queued
+  meanwhile first.
 - Bounded wait: an adapter whose oldest queued request has waited ``max_wait_s`` gets
   its queue sent to the engine anyway, over the slot count; vLLM then schedules it.
   Correctness never depends on this gate, only the order of work does. Not while an
@@ -189,7 +191,8 @@ class LoraScheduler:
             return True
         if adapter.granted_at is not None:  # active
             if adapter.draining:
-                return False
+                self._undrain()  # those it drained for may have slots by now
+                return not adapter.draining
             if self._clock() - adapter.granted_at >= self.quantum_s and self._short_of_draining():
                 adapter.draining = True
                 return False
@@ -208,12 +211,23 @@ class LoraScheduler:
             self._observe_wait(route, waited)
         return Ticket(self, adapter, route)
 
-    def _short_of_draining(self) -> bool:
+    def _short_of_draining(self, spare: int = 0) -> bool:
         """Whether fewer adapters drain than should: one per waiting adapter, plus one per
-        active adapter over the slot count (sent on by a timeout)."""
+        active adapter over the slot count (sent on by a timeout). ``spare``: as if that
+        many of the draining ones stopped."""
         waiting = sum(1 for a in self._waiting.values() if a.granted_at is None)
         over = len(self._active) - self._capacity()
-        return waiting + max(0, over) > sum(1 for a in self._active.values() if a.draining)
+        return waiting + max(0, over) > sum(1 for a in self._active.values() if a.draining) - spare
+
+    def _undrain(self) -> None:
+        """Draining adapters that no longer need to (those they drained for got a slot, or
+        left) take requests again, the ones they queued meanwhile first. A draining adapter
+        still has requests in the engine, so handing its queue over keeps it active."""
+        for adapter in list(self._active.values()):
+            if adapter.draining and not self._short_of_draining(spare=1):
+                adapter.draining = False
+                if adapter.queue:
+                    self._hand_over(adapter)
 
     def _capacity(self) -> int:
         return max(1, self.slots - len(self._pinned) - self._pins_coming)
@@ -234,7 +248,19 @@ class LoraScheduler:
             yield
         finally:
             self._pins_coming -= 1
-            self._fill()
+            self.pins_changed()
+
+    def pins_changed(self) -> None:
+        """``pinned`` gained or lost ids (``AdapterSlots`` calls this after a removal; a pin
+        made in ``room_for_pin`` does it on leaving): a newly pinned adapter gives back its
+        slot and sends its queue on, freed slots go to waiting adapters, and queues that may
+        be forced again get the timer."""
+        for lora_id in list(self._pinned):
+            adapter = self._adapters.get(lora_id)
+            if adapter is not None:
+                self._unslot(adapter)
+        self._fill()
+        self._arm()
 
     def _activate(self, adapter: _Adapter) -> None:
         adapter.granted_at = self._clock()
@@ -279,12 +305,15 @@ class LoraScheduler:
     def _fill(self) -> None:
         """Give free slots to the best-ranked waiting adapters."""
         while len(self._active) < self._capacity():
-            candidates = [a for a in self._waiting.values() if a.granted_at is None]
+            candidates = [
+                a for a in self._waiting.values() if a.granted_at is None and a.lora_id not in self._pinned
+            ]
             if not candidates:
-                return
+                break
             best = self._share.choose(candidates)
             self._activate(best)
             self._hand_over(best)
+        self._undrain()
 
     def _hand_over(self, adapter: _Adapter) -> None:
         """All of the adapter's queued requests go to the engine together."""
@@ -300,6 +329,8 @@ class LoraScheduler:
             waiter.future.set_result(self._enter(adapter, waiter.route, waited))
         if adapter.inflight == 0 and adapter.granted_at is not None:  # all had left
             self._deactivate(adapter)
+            if self._adapters.get(adapter.lora_id) is adapter:
+                del self._adapters[adapter.lora_id]
 
     def _cancel(self, adapter: _Adapter, waiter: _Waiter) -> None:
         """The waiting request left (disconnect, error): take it out of the queue, or give
@@ -315,6 +346,7 @@ class LoraScheduler:
                 if adapter.inflight == 0 and adapter.granted_at is None:
                     self._adapters.pop(adapter.lora_id, None)
                 self._level_if_idle()
+                self._undrain()  # one it drained for may have been this one
 
     def _level_if_idle(self) -> None:
         """Nothing active, nothing waiting: the contention is over, and every route and key
@@ -334,8 +366,9 @@ class LoraScheduler:
         ]
         sent = 0
         for adapter in late:
-            routes = Counter(w.route for w in adapter.queue if w.observed)
-            sent += len(adapter.queue)
+            live = [w for w in adapter.queue if not w.future.done()]  # not those leaving (cancelled)
+            routes = Counter(w.route for w in live if w.observed)
+            sent += len(live)
             if adapter.granted_at is None:
                 self._activate(adapter)  # over the slot count: vLLM queues it
             self._hand_over(adapter)
@@ -352,7 +385,7 @@ class LoraScheduler:
         pinned ones, and a batch with more unpinned adapters than free GPU slots evicts one of
         its own adapters and kills the engine (``KeyError`` in ``convert_mapping``). With pins,
         a waiting adapter gets a slot when an active one drains (the quantum sees to it)."""
-        return adapter.granted_at is not None or not self._pinned
+        return adapter.granted_at is not None or not (self._pinned or self._pins_coming)
 
     def _arm(self) -> None:
         """One timer, for the earliest deadline among the queue heads that may be forced."""

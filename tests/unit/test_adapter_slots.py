@@ -251,6 +251,21 @@ async def test_a_hot_swapped_pinned_adapter_is_pinned_once_its_old_version_leave
     assert engine.pinned == [1, 2] and s.residency(new) == "gpu" and s.pins_waiting == {}
 
 
+async def test_a_pinned_version_leaving_frees_its_slot_for_waiting_requests() -> None:
+    s, _, _ = slots(max_loras=2)
+    await s.register(lora_route("shout", 1, pinned=True))  # one slot left for the others
+    assert s.scheduler is not None
+    busy = await s.scheduler.turn(lora_route("json", 2))
+    waiting = asyncio.ensure_future(s.scheduler.turn(lora_route("sql", 3)))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await s.remove(1)  # e.g. the old version of a hot swap, drained
+    ticket = await asyncio.wait_for(waiting, 1)
+    assert ticket is not None and busy is not None
+    ticket.release()
+    busy.release()
+
+
 async def test_a_pin_that_fails_on_retry_is_logged_and_the_removal_completes() -> None:
 
     s, engine, _ = slots(max_loras=2)

@@ -562,9 +562,38 @@ async def test_over_the_slot_count_after_a_timeout_adapters_drain_back_to_it() -
     await r.ask("b2", B)
     assert r.went() == {"a1", "b1", "b2"} and s.queued == 1
     await r.release("b1", "b2")
-    assert "a2" not in r.went()  # A drains first ...
-    await r.release("a1")
-    assert "a2" in r.went()  # ... then gets its turn again
+    assert "a2" in r.went()  # B has left: A is within the slot count again, and nobody waits
+
+
+async def test_a_draining_adapter_takes_requests_again_once_nobody_waits() -> None:
+    """A drains for B; once B has a slot of its own (C's), A holds its slot with nobody
+    waiting, so what it queued meanwhile goes on (in order) and so do new requests."""
+    clock = Clock()
+    s = make(slots=2, quantum_s=1.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("c1", C)
+    await r.ask("b1", B)  # both slots taken: B waits
+    clock.now += 1.0
+    await r.ask("a2", A)  # A is past its quantum while B waits: it drains, a2 queues
+    assert r.went() == {"a1", "c1"} and s.snapshot()["active"]["a"]["draining"]
+    await r.release("c1")  # B takes C's slot
+    assert r.order == ["a1", "c1", "b1", "a2"] and not s.snapshot()["active"]["a"]["draining"]
+    await r.ask("a3", A)
+    assert "a3" in r.went() and s.queued == 0
+
+
+async def test_a_drain_ends_when_the_adapter_it_was_for_leaves_the_queue() -> None:
+    clock = Clock()
+    s = make(slots=1, quantum_s=1.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    b1 = await r.ask("b1", B)
+    clock.now += 1.0
+    await r.ask("a2", A)  # drains for B
+    b1.cancel()  # B's caller gives up
+    await settle()
+    assert "a2" in r.went() and s.queued == 0
 
 
 async def test_with_a_pin_a_request_past_max_wait_still_waits_for_a_slot() -> None:
@@ -618,3 +647,108 @@ async def test_a_pin_waits_until_the_other_active_adapters_fit_the_slots_left() 
     assert "d1" not in r.went() and pinned == {3}
     await r.release("b1")
     assert "d1" in r.went()
+
+
+async def test_no_queue_is_sent_past_the_slots_while_a_pin_is_being_made() -> None:
+    """Pinning D with A, C active and B queued: while the engine pins (nothing is in
+    ``pinned`` yet), the bounded wait must not send B over the slot count, or once the pin
+    lands vLLM has two unpinned adapters for one free GPU slot."""
+    clock = Clock()
+    pinned: set[int] = set()
+    s = make(slots=2, max_wait_s=5.0, clock=clock, pinned=pinned)
+    r = Requests(s)
+    await r.ask("a1", A)
+    await r.ask("c1", C)
+    await r.ask("b1", B)
+
+    async def pin() -> None:
+        async with s.room_for_pin(4):
+            await asyncio.sleep(0)  # the engine's pin_lora; the timer fires meanwhile
+            clock.now += 5.0
+            assert s.expire() == 0
+            pinned.add(4)
+
+    pinning = asyncio.create_task(pin())
+    await settle()
+    await r.release("c1")  # room for the pin: A alone fits the slot left
+    await asyncio.wait_for(pinning, 5)
+    assert r.went() == {"a1", "c1"} and s.snapshot()["slots"] == 1
+    await r.release("a1")
+    assert "b1" in r.went()
+
+
+async def test_a_pin_leaving_gives_its_slot_to_a_waiting_adapter() -> None:
+    pinned = {1}
+    s = make(slots=2, pinned=pinned)
+    r = Requests(s)
+    await r.ask("b1", B)  # the one slot left beside the pin
+    await r.ask("c1", C)
+    pinned.discard(1)  # the pinned version drained and left the engine
+    s.pins_changed()
+    await settle()
+    assert r.went() == {"b1", "c1"}
+    await r.ask("d1", D)  # a newcomer now waits behind them
+    assert "d1" not in r.went()
+
+
+async def test_a_pin_leaving_arms_the_bounded_wait() -> None:
+    """With a pin, a queue is never sent over the slot count, so no timer runs for it; once
+    the last pin has left, its wait is bounded again."""
+    pinned = {1}
+    s = make(slots=2, max_wait_s=0.01, clock=asyncio.get_running_loop().time, pinned=pinned)
+    r = Requests(s)
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    await r.ask("d1", D)  # B and C hold the slots: C and D wait
+    pinned.discard(1)
+    s.pins_changed()  # C takes the freed slot; D waits, now with a timer
+    await asyncio.sleep(0.1)
+    assert r.went() == {"b1", "c1", "d1"} and s.forced == 1
+
+
+async def test_an_adapter_pinned_while_queued_sends_its_queue_on_and_takes_no_slot() -> None:
+    """A version whose pin waited served unpinned meanwhile, so its requests could queue.
+    Pinned, they go at once (pinned adapters never wait), and it never takes one of the
+    slots left to unpinned adapters."""
+    pinned: set[int] = set()
+    s = make(slots=3, pinned=pinned)
+    r = Requests(s)
+    for label, route in (("b1", B), ("c1", C), ("d1", D), ("a1", A)):
+        await r.ask(label, route)
+    assert "a1" not in r.went()
+
+    async def pin() -> None:
+        async with s.room_for_pin(1):
+            pinned.add(1)
+
+    pinning = asyncio.create_task(pin())
+    await settle()
+    await r.release("d1")  # room for the pin
+    await asyncio.wait_for(pinning, 5)
+    await settle()
+    assert "a1" in r.went() and 1 not in {int(a.lora_id) for a in s._active.values()}
+    await r.ask("d2", D)  # B and C hold the two unpinned slots
+    await r.release("b1")
+    assert "d2" in r.went() and set(s.snapshot()["active"]) == {"c", "d"}
+
+
+async def test_a_cancelled_waiter_is_not_counted_as_sent_on() -> None:
+    """A waiter cancelled a moment before the timer fires is still in its queue (its clean-up
+    runs on the next turn of the loop): it is not a request sent on, and the adapter it
+    leaves behind is forgotten."""
+    clock = Clock()
+    s = make(slots=1, max_wait_s=3.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    b1 = await r.ask("b1", B)
+    clock.now += 3.0
+    b1.cancel()
+    assert s.expire() == 0 and s.forced == 0
+    await settle()
+    assert s.snapshot() == {
+        "slots": 1,
+        "active": {"a": {"inflight": 1, "draining": False}},
+        "queued": {},
+        "forced": 0,
+    }
+    assert set(s._adapters) == {1}
