@@ -5,7 +5,10 @@ touches the engine: the catalog calls it for every entry at every reload.
 
 Compatibility is judged by the weights, not by names: every ``lora_A``/``lora_B`` tensor
 must target a module the model has, with shapes that fit it (``lora_A`` is ``[r, in]``,
-``lora_B`` is ``[out, r]`` for a module of weight ``[out, in]``). The base model named in
+``lora_B`` is ``[out, r]`` for a module of weight ``[out, in]``) at the module's rank (``r``,
+or its ``rank_pattern`` entry, matched as PEFT and vLLM match it). A module whose weight the
+checkpoint stores quantized has no dense shape in its header: only that it exists is checked
+here, and vLLM checks the shapes when it loads the adapter. The base model named in
 ``adapter_config.json`` is only a warning unless the entry asks for ``strict_base_model``.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,10 @@ from gateway.errors import ConfigError
 # without them, so a text-only checkpoint and its multimodal twin name the same module.
 _WRAPPERS = frozenset({"base_model", "model", "language_model", "text_model"})
 _LORA_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# Dense weights: a 2-D ``.weight`` in one of these has the module's [out, in] in its header.
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+# Tensors that stand for a quantized module's weight (GPTQ/AWQ, compressed-tensors).
+_QUANTIZED_WEIGHTS = frozenset({"qweight", "weight_packed"})
 
 
 def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
@@ -48,19 +56,37 @@ def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """The base model's 2-D weights: module path (wrappers stripped) -> (out, in)."""
+    """The base model's weights: module path (wrappers stripped) -> (out, in), or None for a
+    module stored quantized (its dense shape is not in the header)."""
 
-    shapes: dict[str, tuple[int, int]]
+    shapes: dict[str, tuple[int, int] | None]
 
-    def leaf_names(self) -> set[str]:
-        return {path.rsplit(".", 1)[-1] for path in self.shapes}
+    def _key(self, module: str) -> str | None:
+        key = module_key(module)
+        if key in self.shapes:
+            return key
+        if key.rsplit(".", 1)[-1] == "lm_head" and "embed_tokens" in self.shapes:  # tied
+            return "embed_tokens"
+        return None
+
+    def has(self, module: str) -> bool:
+        return self._key(module) is not None
 
     def get(self, module: str) -> tuple[int, int] | None:
-        key = module_key(module)
-        shape = self.shapes.get(key)
-        if shape is None and key.rsplit(".", 1)[-1] == "lm_head":  # tied to the embeddings
-            shape = self.shapes.get("embed_tokens")
-        return shape
+        """The module's [out, in]; None when it is missing or stored quantized (``has``)."""
+        key = self._key(module)
+        return None if key is None else self.shapes[key]
+
+    def has_target(self, target: str) -> bool:
+        """PEFT's ``target_modules`` rule: a name targets each module whose path is the name or
+        ends in ``.`` + the name (``q_proj``, ``self_attn.q_proj``)."""
+        key = module_key(target)
+        if self.has(key):
+            return True
+        suffix = "." + key
+        return any(path.endswith(suffix) for path in self.shapes) or (
+            key.rsplit(".", 1)[-1] == "lm_head" and self.has("lm_head")
+        )
 
 
 @dataclass(frozen=True)
@@ -80,23 +106,47 @@ def module_key(path: str) -> str:
 def tensor_shapes(file: Path, label: str | None = None) -> dict[str, list[int]]:
     """Tensor name -> shape, from the safetensors header (no tensor is loaded). ``label``
     names the adapter in errors (default: the file's folder)."""
+    return {name: shape for name, (shape, _) in _header(file, label).items()}
+
+
+def _header(file: Path, label: str | None = None) -> dict[str, tuple[list[int], str]]:
+    """Tensor name -> (shape, dtype) from the safetensors header."""
     try:
         with safe_open(str(file), framework="numpy") as fh:
             names: list[str] = fh.keys()  # a safe_open handle is not iterable
-            return {name: list(fh.get_slice(name).get_shape()) for name in names}
+            slices = {name: fh.get_slice(name) for name in names}
+            return {name: (list(t.get_shape()), t.get_dtype()) for name, t in slices.items()}
     except (OSError, SafetensorError) as exc:
         adapter = label or file.parent.name
         raise ConfigError(f"{adapter}: {file.name} is not readable: {one_line(exc)}") from None
 
 
+def local_model_dir(model: str) -> Path | None:
+    """Where ``model``'s files are: the folder it names, or the Hugging Face cache's copy of a
+    repo id (vLLM downloads it there when it starts); None when neither is on this machine."""
+    if not model:
+        return None
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # not a repo id, or not in the cache: no shapes to check against
+        return None
+
+
 def model_shapes(model_dir: str | Path) -> ModelShapes | None:
     """The model's weight shapes from its safetensors headers. ``None`` when the model has
     no weight files (dummy weights): then adapters are checked without the model."""
-    shapes: dict[str, tuple[int, int]] = {}
+    shapes: dict[str, tuple[int, int] | None] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
-        for name, shape in tensor_shapes(file).items():
-            if name.endswith(".weight") and len(shape) == 2:
-                shapes[module_key(name.removesuffix(".weight"))] = (shape[0], shape[1])
+        for name, (shape, dtype) in _header(file).items():
+            module, _, kind = name.rpartition(".")
+            if kind == "weight" and len(shape) == 2 and dtype in _FLOAT_DTYPES:
+                shapes[module_key(module)] = (shape[0], shape[1])
+            elif kind in _QUANTIZED_WEIGHTS or (kind == "weight" and dtype not in _FLOAT_DTYPES):
+                shapes.setdefault(module_key(module), None)  # e.g. bitsandbytes' packed .weight
     return ModelShapes(shapes) if shapes else None
 
 
@@ -112,31 +162,75 @@ def check_adapter(
     """``label`` names the adapter in errors (default: its folder's name; a copy's folder is
     named by its digest)."""
     name = label or path.name
-    for required in ("adapter_config.json", "adapter_model.safetensors"):
-        if not (path / required).is_file():
-            raise ConfigError(f"{name}: missing {required}")
+    if not (path / "adapter_config.json").is_file():
+        raise ConfigError(f"{name}: missing adapter_config.json")
+    if not (path / "adapter_model.safetensors").is_file():
+        if any((path / other).is_file() for other in ("adapter_model.bin", "adapter_model.pt")):
+            raise ConfigError(
+                f"{name}: only adapter_model.safetensors is read (tensor shapes come from its header); "
+                "convert adapter_model.bin, e.g. with safetensors.torch.save_file"
+            )
+        raise ConfigError(f"{name}: missing adapter_model.safetensors")
     try:
-        config: dict[str, Any] = json.loads((path / "adapter_config.json").read_text())
-        rank = int(config["r"])
-        targets = config.get("target_modules") or []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"{name}: adapter_config.json is invalid: {one_line(exc)}") from None
-    if rank > max_lora_rank:
-        raise ConfigError(f"{name}: rank {rank} is above engine.max_lora_rank={max_lora_rank}")
+    rank, targets, ranks = _read_config(name, config)
+    if (top := max([rank, *ranks.values()])) > max_lora_rank:
+        raise ConfigError(f"{name}: rank {top} is above engine.max_lora_rank={max_lora_rank}")
     if model is not None and isinstance(targets, list):  # a string is a regex (or "all-linear")
-        missing = sorted(set(targets) - model.leaf_names())
+        missing = sorted(t for t in set(targets) if not model.has_target(t))
         if missing:
             raise ConfigError(f"{name}: target modules not in the model: {', '.join(missing)}")
     tensors = tensor_shapes(path / "adapter_model.safetensors", name)
-    _check_tensors(name, tensors, model, rank, max_lora_rank, bool(config.get("rank_pattern")))
+    _check_tensors(name, tensors, model, rank, max_lora_rank, ranks)
     warnings: list[str] = []
     base = str(config.get("base_model_name_or_path") or "")
-    if base and Path(base).name != base_name:
+    if base and base != base_name and Path(base).name not in (base_name, Path(base_name).name):
         message = f"trained for base model '{base}', this engine serves '{base_name}'"
         if strict_base_model:
             raise ConfigError(f"{name}: {message} (strict_base_model)")
         warnings.append(f"{message}; accepted because its weights fit the model")
     return AdapterInfo(config, rank, tuple(warnings))
+
+
+def _read_config(adapter: str, config: object) -> tuple[int, list[str] | str, dict[str, int]]:
+    """``r``, ``target_modules`` and ``rank_pattern``, checked for what vLLM reads of them: a
+    value of the wrong type is this entry's rejection, never the whole catalog's failure."""
+
+    def invalid(why: str) -> ConfigError:
+        return ConfigError(f"{adapter}: adapter_config.json is invalid: {why}")
+
+    if not isinstance(config, dict):
+        raise invalid("expected a JSON object")
+    rank = config.get("r")
+    if type(rank) is not int or rank < 1:  # JSON true, 8.5, Infinity and "8" are not ranks
+        raise invalid(f"'r' must be a positive integer, got {rank!r}")
+    targets = config.get("target_modules") or []
+    if not isinstance(targets, str) and not (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    ):
+        raise invalid(f"'target_modules' must be a module name, a list of them or a regex, got {targets!r}")
+    ranks = config.get("rank_pattern") or {}
+    if not isinstance(ranks, dict) or not all(type(r) is int and r >= 1 for r in ranks.values()):
+        raise invalid(f"'rank_pattern' must map module patterns to positive integers, got {ranks!r}")
+    for key in ranks:
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise invalid(f"'rank_pattern' key {key!r} is not a regex: {exc}") from None
+    return rank, targets, ranks
+
+
+def _module_rank(module: str, rank: int, ranks: dict[str, int]) -> int:
+    """The rank PEFT gave ``module`` (its path in the checkpoint, ``base_model.model.``
+    stripped): the first ``rank_pattern`` key it ends in at a ``.`` boundary, else ``r``.
+    vLLM matches the same way."""
+    name = module.removeprefix("base_model.model.")
+    for key, value in ranks.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return rank
 
 
 def _check_tensors(
@@ -145,9 +239,9 @@ def _check_tensors(
     model: ModelShapes | None,
     rank: int,
     max_lora_rank: int,
-    per_module_ranks: bool,
+    ranks: dict[str, int],
 ) -> None:
-    """Each lora_A [r, in] / lora_B [out, r] against the module it targets."""
+    """Each lora_A [r, in] / lora_B [out, r] against the module it targets, at its rank."""
     found = 0
     for name, shape in sorted(tensors.items()):
         m = _LORA_TENSOR.match(name)
@@ -158,37 +252,70 @@ def _check_tensors(
         if len(shape) != 2:
             raise ConfigError(f"{adapter}: tensor {name} has shape {shape}, expected 2 dimensions")
         r = shape[0] if is_a else shape[1]
-        if r > max_lora_rank or (r != rank and not per_module_ranks):
-            want = f"rank {rank}" if r <= max_lora_rank else f"rank <= engine.max_lora_rank={max_lora_rank}"
-            raise ConfigError(f"{adapter}: tensor {name} has rank {r} (shape {shape}), expected {want}")
+        want = _module_rank(m["module"], rank, ranks)
+        if r > max_lora_rank or r != want:
+            expected = (
+                f"rank {want}" if r <= max_lora_rank else f"rank <= engine.max_lora_rank={max_lora_rank}"
+            )
+            origin = " (rank_pattern)" if want != rank else ""
+            raise ConfigError(
+                f"{adapter}: tensor {name} has rank {r} (shape {shape}), expected {expected}{origin}"
+            )
         if model is None:
             continue
-        target = model.get(m["module"])
-        if target is None:
+        if not model.has(m["module"]):
             module = module_key(m["module"])
             raise ConfigError(f"{adapter}: tensor {name} targets {module}, which the model does not have")
+        target = model.get(m["module"])
+        if target is None:  # stored quantized: vLLM checks the shape when it loads the adapter
+            continue
         out_features, in_features = target
-        expected = [r, in_features] if is_a else [out_features, r]
-        if shape != expected:
+        fits = [r, in_features] if is_a else [out_features, r]
+        if shape != fits:
             raise ConfigError(
-                f"{adapter}: tensor {name} has shape {shape}, expected {expected} "
+                f"{adapter}: tensor {name} has shape {shape}, expected {fits} "
                 f"(the model's {module_key(m['module'])} is [{out_features}, {in_features}])"
             )
     if found == 0:
         raise ConfigError(f"{adapter}: adapter_model.safetensors has no lora_A/lora_B tensors")
 
 
+_DIGESTED = ("adapter_config.json", "adapter_model.safetensors")
+# (folder, its files' stat) -> digest: a reload rereads only the adapters whose files changed
+# (any write moves a file's mtime and ctime), not every adapter's weights each time.
+_digests: dict[tuple[str, tuple[tuple[int, ...], ...]], str] = {}
+_DIGESTS_KEPT = 4096
+
+
 def adapter_digest(path: Path) -> str:
     """The adapter's content digest. A file removed or replaced since it was checked is the
     entry's ``ConfigError``, not the whole catalog's failure."""
-    h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        h.update(name.encode())
+    stats = []
+    for name in _DIGESTED:
         try:
-            h.update((path / name).read_bytes())
+            stats.append(_identity((path / name).stat()))
         except OSError as exc:
             raise ConfigError(f"{path.name}: {name} is not readable: {one_line(exc)}") from None
-    return h.hexdigest()
+    key = (str(path), tuple(stats))
+    if (known := _digests.get(key)) is not None:
+        return known
+    h = hashlib.sha256()
+    for name in _DIGESTED:
+        h.update(name.encode())
+        try:
+            with (path / name).open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    h.update(chunk)
+        except OSError as exc:
+            raise ConfigError(f"{path.name}: {name} is not readable: {one_line(exc)}") from None
+    if len(_digests) >= _DIGESTS_KEPT:
+        _digests.clear()
+    _digests[key] = digest = h.hexdigest()
+    return digest
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def one_line(exc: BaseException) -> str:

@@ -488,7 +488,10 @@ class Catalog:
         restored) must not be removed from under it."""
         async with self._lock:
             try:
-                table = self._build(self._ids)
+                # Off the event loop: the build reads every adapter's header, and hashes and
+                # copies new ones (GBs for a large adapter), while streams go on. What it
+                # touches besides files (the ids, the copies) changes only under this lock.
+                table = await asyncio.to_thread(self._build, self._ids)
             except ConfigError as exc:
                 self.last_error = str(exc)
                 log.error("catalog reload failed, keeping the last good table: %s", exc)

@@ -184,7 +184,7 @@ def _serve(settings: GatewaySettings) -> int:
 
 
 def _adapters(settings: GatewaySettings, command: str) -> int:
-    from gateway.adapters_check import model_shapes
+    from gateway.adapters_check import local_model_dir, model_shapes
     from gateway.catalog import LoraIds, load_table
 
     model = settings.engine.model
@@ -192,11 +192,12 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         from gateway.embedded import EMBEDDED_NAME, embedded_model_dir, is_prepared
 
         base_name = settings.engine.served_model_name or EMBEDDED_NAME
-        model_dir = embedded_model_dir(settings.cache_dir / "models")
-        modules = model_shapes(model_dir) if is_prepared(model_dir) else None
+        embedded = embedded_model_dir(settings.cache_dir / "models")
+        modules = model_shapes(embedded) if is_prepared(embedded) else None
     else:
         base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
-        modules = model_shapes(model)
+        model_dir = local_model_dir(model)
+        modules = model_shapes(model_dir) if model_dir is not None else None
     # load_table logs nothing: this command reports each rejected entry and warning (below).
     table = load_table(
         settings.catalog,

@@ -26,7 +26,7 @@ from gateway.adapter_slots import (
     more_slots_hint,
     slot_bytes,
 )
-from gateway.adapters_check import ModelShapes, model_shapes
+from gateway.adapters_check import ModelShapes, local_model_dir, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, check_file, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
@@ -108,7 +108,7 @@ class Gateway:
             check_model_path(self.settings.engine.model)  # and a model folder that is not there
             await self.engine.start()
             await self.service.measure_tokenizer()
-            self._model_shapes = model_shapes(self.engine.model_path or "")
+            self._model_shapes = self._read_model_shapes()
             self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
             catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
             await catalog.load_adapters()
@@ -127,6 +127,18 @@ class Gateway:
             log.error("startup failed: %s", self.startup_error)
             log.debug("startup failed", exc_info=True)
             raise GatewayError(self.startup_error) from exc
+
+    def _read_model_shapes(self) -> ModelShapes | None:
+        model = self.engine.model_path or ""
+        model_dir = local_model_dir(model)
+        shapes = model_shapes(model_dir) if model_dir is not None else None
+        if shapes is None and self.settings.engine.load_format != "dummy":
+            log.warning(
+                "no safetensors weights found for model %s: adapters are checked without the model's "
+                "module shapes (their own tensors still are; vLLM checks the rest when it loads each)",
+                model,
+            )
+        return shapes
 
     def build_table(self, ids: LoraIds) -> RoutingTable:
         s = self.settings
