@@ -221,9 +221,10 @@ class LoraScheduler:
 
     def _undrain(self) -> None:
         """Draining adapters that no longer need to (those they drained for got a slot, or
-        left) take requests again, the ones they queued meanwhile first. A draining adapter
+        left) take requests again, the ones they queued meanwhile first; the last granted
+        first, so those that have held their slots longest go on draining. A draining adapter
         still has requests in the engine, so handing its queue over keeps it active."""
-        for adapter in list(self._active.values()):
+        for adapter in reversed(list(self._active.values())):
             if adapter.draining and not self._short_of_draining(spare=1):
                 adapter.draining = False
                 if adapter.queue:

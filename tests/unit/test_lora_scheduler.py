@@ -752,3 +752,24 @@ async def test_a_cancelled_waiter_is_not_counted_as_sent_on() -> None:
         "forced": 0,
     }
     assert set(s._adapters) == {1}
+
+
+async def test_of_two_drains_the_later_granted_ends_first() -> None:
+    """Two adapters drain for two waiting ones; a slot frees elsewhere and one waiting adapter
+    takes it, so one drain is enough: the adapter that has held its slot longer keeps it."""
+    clock = Clock()
+    s = make(slots=3, quantum_s=1.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    clock.now += 0.5
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    await r.ask("d1", D)
+    await r.ask("e1", lora("e", 5))  # D and E wait
+    clock.now += 1.0
+    await r.ask("a2", A)  # both past their quantum: both drain
+    await r.ask("b2", B)
+    assert s.snapshot()["active"]["a"]["draining"] and s.snapshot()["active"]["b"]["draining"]
+    await r.release("c1")  # D takes C's slot; E still waits
+    assert "d1" in r.went() and "b2" in r.went() and "a2" not in r.went()
+    assert s.snapshot()["active"]["a"]["draining"] and not s.snapshot()["active"]["b"]["draining"]
