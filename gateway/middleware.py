@@ -50,7 +50,7 @@ from gateway.settings import ApiKey
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("gateway.access")
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/chat", "/v1/responses"})
 
 
@@ -79,7 +79,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"x-request-id")
-        request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 

@@ -193,10 +193,14 @@ class SamplingFields(_Request):
             raise InvalidRequest(
                 f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias"
             )
-        if isinstance(bias, dict) and not all(str(k).isdigit() for k in bias):
+        if isinstance(bias, dict) and not all(str(k).isascii() and str(k).isdigit() for k in bias):
             raise InvalidRequest(
                 "logit_bias keys must be token ids (non-negative integers)", param="logit_bias"
             )
+        if isinstance(bias, dict) and not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()
+        ):  # as OpenAI: true and "5" are not biases
+            raise InvalidRequest("logit_bias values must be numbers", param="logit_bias")
         return bias
 
     @model_validator(mode="after")

@@ -54,7 +54,7 @@ async def read_json(request: Request, model: type[M], limits: LimitSettings, any
     if ctype is not None and not any_type and not _is_json(ctype):
         raise UnsupportedMediaType(f"Content-Type must be application/json, not '{ctype[:80]}'")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     body = bytearray()
     try:

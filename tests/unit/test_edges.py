@@ -132,8 +132,11 @@ def test_vllm_fields_at_their_defaults_are_accepted() -> None:
     )
 
 
-@pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"7": 100.5}, {"7": -101}])
-def test_bad_logit_bias_is_refused(bias: dict[str, float]) -> None:
+@pytest.mark.parametrize(
+    "bias",
+    [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"\u00b2": 1}, {"7": 100.5}, {"7": -101}, {"7": True}, {"7": "5"}],
+)
+def test_bad_logit_bias_is_refused(bias: dict[str, object]) -> None:
     assert refused(chat, logit_bias=bias) == "logit_bias"
 
 

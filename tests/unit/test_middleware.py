@@ -561,6 +561,44 @@ async def test_request_id_is_returned(serve: Serve) -> None:
     assert refused.headers["x-request-id"] == "denied-1"  # errors from middleware carry it too
 
 
+async def by_hand(served: Served, headers: dict[str, str], body: bytes) -> list[dict[str, Any]]:
+    """One request through the app with headers no HTTP client would send as they are."""
+    sent: list[dict[str, Any]] = []
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        for message in messages:
+            return message
+        await asyncio.Event().wait()  # the client stays: no disconnect
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = http_scope("/v1/chat/completions", {})
+    scope["headers"] = [(k.encode(), v.encode("latin-1")) for k, v in headers.items()]  # as sent
+    await asyncio.wait_for(served.app(scope, receive, send), 5)
+    return sent
+
+
+async def test_a_request_id_ending_in_a_newline_is_replaced(serve: Serve) -> None:
+    served = await serve()
+    body = json.dumps(chat_body("base")).encode()
+    sent = await by_hand(served, {"authorization": f"Bearer {USER_KEY}", "x-request-id": "abc\n"}, body)
+    ids = [v for k, v in sent[0]["headers"] if k == b"x-request-id"]
+    assert sent[0]["status"] == 200 and len(ids) == 1 and len(ids[0]) == 32
+
+
+async def test_a_content_length_of_non_ascii_digits_is_not_a_500(serve: Serve) -> None:
+    """``"²".isdigit()`` is true but ``int("²")`` fails: the declared length is ignored, and
+    the body read as it comes."""
+    served = await serve()
+    body = json.dumps(chat_body("base")).encode()
+    sent = await by_hand(served, {"authorization": f"Bearer {USER_KEY}", "content-length": "\u00b2"}, body)
+    assert sent[0]["status"] == 200
+    assert served.gw.admission.inflight == 0
+
+
 async def test_a_client_leaving_during_its_upload_is_499_not_an_error(
     serve: Serve, caplog: pytest.LogCaptureFixture
 ) -> None:
