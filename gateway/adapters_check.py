@@ -84,9 +84,7 @@ class ModelShapes:
         if self.has(key):
             return True
         suffix = "." + key
-        return any(path.endswith(suffix) for path in self.shapes) or (
-            key.rsplit(".", 1)[-1] == "lm_head" and self.has("lm_head")
-        )
+        return any(path.endswith(suffix) for path in self.shapes)
 
 
 @dataclass(frozen=True)
@@ -136,11 +134,15 @@ def local_model_dir(model: str) -> Path | None:
         return None
 
 
-def model_shapes(model_dir: str | Path) -> ModelShapes | None:
-    """The model's weight shapes from its safetensors headers. ``None`` when the model has
-    no weight files (dummy weights): then adapters are checked without the model."""
+def model_shapes(model: str | Path) -> ModelShapes | None:
+    """The model's weight shapes from its safetensors headers (``model``: a folder, or a repo
+    id in the Hugging Face cache). ``None`` when the model has no weight files here (dummy
+    weights): then adapters are checked without the model."""
+    model_dir = local_model_dir(str(model))
+    if model_dir is None:
+        return None
     shapes: dict[str, tuple[int, int] | None] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
+    for file in sorted(model_dir.glob("*.safetensors")):
         for name, (shape, dtype) in _header(file).items():
             module, _, kind = name.rpartition(".")
             if kind == "weight" and len(shape) == 2 and dtype in _FLOAT_DTYPES:

@@ -184,7 +184,7 @@ def _serve(settings: GatewaySettings) -> int:
 
 
 def _adapters(settings: GatewaySettings, command: str) -> int:
-    from gateway.adapters_check import local_model_dir, model_shapes
+    from gateway.adapters_check import model_shapes
     from gateway.catalog import LoraIds, load_table
 
     model = settings.engine.model
@@ -196,8 +196,7 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         modules = model_shapes(embedded) if is_prepared(embedded) else None
     else:
         base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
-        model_dir = local_model_dir(model)
-        modules = model_shapes(model_dir) if model_dir is not None else None
+        modules = model_shapes(model)
     # load_table logs nothing: this command reports each rejected entry and warning (below).
     table = load_table(
         settings.catalog,

@@ -299,8 +299,8 @@ class LoraScheduler:
             return
         if adapter.granted_at is not None:
             self._deactivate(adapter)
-        if not adapter.queue and self._adapters.get(adapter.lora_id) is adapter:
-            del self._adapters[adapter.lora_id]
+        if not adapter.queue:
+            self._forget(adapter)
         self._fill()
 
     def _fill(self) -> None:
@@ -330,8 +330,13 @@ class LoraScheduler:
             waiter.future.set_result(self._enter(adapter, waiter.route, waited))
         if adapter.inflight == 0 and adapter.granted_at is not None:  # all had left
             self._deactivate(adapter)
-            if self._adapters.get(adapter.lora_id) is adapter:
-                del self._adapters[adapter.lora_id]
+            self._forget(adapter)
+
+    def _forget(self, adapter: _Adapter) -> None:
+        """Drop an adapter with nothing in the engine or queued (a later request starts a fresh
+        one, with only its own routes' weights); not one a newer entry replaced."""
+        if self._adapters.get(adapter.lora_id) is adapter:
+            del self._adapters[adapter.lora_id]
 
     def _cancel(self, adapter: _Adapter, waiter: _Waiter) -> None:
         """The waiting request left (disconnect, error): take it out of the queue, or give
@@ -345,7 +350,7 @@ class LoraScheduler:
             if not adapter.queue:
                 del self._waiting[adapter.lora_id]
                 if adapter.inflight == 0 and adapter.granted_at is None:
-                    self._adapters.pop(adapter.lora_id, None)
+                    self._forget(adapter)
                 self._level_if_idle()
                 self._undrain()  # one it drained for may have been this one
 

@@ -26,7 +26,7 @@ from gateway.adapter_slots import (
     more_slots_hint,
     slot_bytes,
 )
-from gateway.adapters_check import ModelShapes, local_model_dir, model_shapes
+from gateway.adapters_check import ModelShapes, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, check_file, load_table
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
@@ -130,8 +130,7 @@ class Gateway:
 
     def _read_model_shapes(self) -> ModelShapes | None:
         model = self.engine.model_path or ""
-        model_dir = local_model_dir(model)
-        shapes = model_shapes(model_dir) if model_dir is not None else None
+        shapes = model_shapes(model)
         if shapes is None and self.settings.engine.load_format != "dummy":
             log.warning(
                 "no safetensors weights found for model %s: adapters are checked without the model's "

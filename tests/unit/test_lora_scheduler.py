@@ -62,6 +62,16 @@ def make(
     )
 
 
+def start_pin(s: LoraScheduler, pinned: set[int], lora_id: int) -> asyncio.Task[None]:
+    """What ``AdapterSlots`` does to pin: wait for room, then pin (no engine here)."""
+
+    async def pin() -> None:
+        async with s.room_for_pin(lora_id):
+            pinned.add(lora_id)
+
+    return asyncio.create_task(pin())
+
+
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -634,11 +644,7 @@ async def test_a_pin_waits_until_the_other_active_adapters_fit_the_slots_left() 
     await r.ask("a1", A)
     await r.ask("b1", B)
 
-    async def pin() -> None:
-        async with s.room_for_pin(3):
-            pinned.add(3)
-
-    pinning = asyncio.create_task(pin())
+    pinning = start_pin(s, pinned, 3)
     await settle()
     assert not pinning.done()
     await r.release("a1")
@@ -717,11 +723,7 @@ async def test_an_adapter_pinned_while_queued_sends_its_queue_on_and_takes_no_sl
         await r.ask(label, route)
     assert "a1" not in r.went()
 
-    async def pin() -> None:
-        async with s.room_for_pin(1):
-            pinned.add(1)
-
-    pinning = asyncio.create_task(pin())
+    pinning = start_pin(s, pinned, 1)
     await settle()
     await r.release("d1")  # room for the pin
     await asyncio.wait_for(pinning, 5)
