@@ -1,7 +1,10 @@
 """Adapter checks at registration: is this directory an adapter this engine may load?
 
-Reads files only (``adapter_config.json``, safetensors headers), never tensors, and never
-touches the engine: the catalog calls it for every entry at every reload.
+Reads files only (``adapter_config.json``, the weights' shapes), never touches the engine:
+the catalog calls it for every entry at every reload. The weights file is the one vLLM
+loads: ``adapter_model.safetensors`` (shapes from its header, no tensor read), else
+``adapter_model.bin`` or ``.pt`` (``torch.load(weights_only=True)`` as vLLM does, mapped
+rather than read where the file is in torch's zip format).
 
 Compatibility is judged by the weights, not by names: every ``lora_A``/``lora_B`` tensor
 must target a module the model has, with shapes that fit it (``lora_A`` is ``[r, in]``,
@@ -18,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,8 @@ _LORA_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weig
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 # Tensors that stand for a quantized module's weight (GPTQ/AWQ, compressed-tensors).
 _QUANTIZED_WEIGHTS = frozenset({"qweight", "weight_packed"})
+# The adapter's weights, in the order vLLM's ``LoRAModel.from_local_checkpoint`` looks.
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 
 
 def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
@@ -101,10 +107,40 @@ def module_key(path: str) -> str:
     return ".".join(parts)
 
 
+def weights_file(path: Path) -> Path | None:
+    """The adapter's weights file vLLM loads, or None when it has none."""
+    return next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+
+
 def tensor_shapes(file: Path, label: str | None = None) -> dict[str, list[int]]:
-    """Tensor name -> shape, from the safetensors header (no tensor is loaded). ``label``
-    names the adapter in errors (default: the file's folder)."""
+    """Tensor name -> shape: from the safetensors header (no tensor is loaded), or from a
+    ``torch.save``d dict of tensors. ``label`` names the adapter in errors (default: the
+    file's folder)."""
+    if file.suffix != ".safetensors":
+        return _pickled_shapes(file, label or file.parent.name)
     return {name: shape for name, (shape, _) in _header(file, label).items()}
+
+
+def _pickled_shapes(file: Path, adapter: str) -> dict[str, list[int]]:
+    import torch  # loaded with the engine already; only adapters without safetensors need it
+
+    def load(mmap: bool) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on the legacy format
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            data = load(mmap=True)
+        except Exception:  # the legacy (pre-zip) format cannot be mapped: read it
+            data = load(mmap=False)
+    except Exception as exc:  # torch.load raises many kinds for a bad file; each is the entry's
+        raise ConfigError(f"{adapter}: {file.name} is not readable: {one_line(exc)}") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+    ):
+        raise ConfigError(f"{adapter}: {file.name} is not a state dict (tensor names -> tensors)")
+    return {name: list(tensor.shape) for name, tensor in data.items()}
 
 
 def _header(file: Path, label: str | None = None) -> dict[str, tuple[list[int], str]]:
@@ -166,13 +202,9 @@ def check_adapter(
     name = label or path.name
     if not (path / "adapter_config.json").is_file():
         raise ConfigError(f"{name}: missing adapter_config.json")
-    if not (path / "adapter_model.safetensors").is_file():
-        if any((path / other).is_file() for other in ("adapter_model.bin", "adapter_model.pt")):
-            raise ConfigError(
-                f"{name}: only adapter_model.safetensors is read (tensor shapes come from its header); "
-                "convert adapter_model.bin, e.g. with safetensors.torch.save_file"
-            )
-        raise ConfigError(f"{name}: missing adapter_model.safetensors")
+    weights = weights_file(path)
+    if weights is None:
+        raise ConfigError(f"{name}: missing adapter_model.safetensors (or adapter_model.bin)")
     try:
         config = json.loads((path / "adapter_config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -184,7 +216,9 @@ def check_adapter(
         missing = sorted(t for t in set(targets) if not model.has_target(t))
         if missing:
             raise ConfigError(f"{name}: target modules not in the model: {', '.join(missing)}")
-    tensors = tensor_shapes(path / "adapter_model.safetensors", name)
+    tensors = tensor_shapes(weights, name)
+    if not any(_LORA_TENSOR.match(tensor) for tensor in tensors):
+        raise ConfigError(f"{name}: {weights.name} has no lora_A/lora_B tensors")
     _check_tensors(name, tensors, model, rank, max_lora_rank, ranks)
     warnings: list[str] = []
     base = str(config.get("base_model_name_or_path") or "")
@@ -244,12 +278,10 @@ def _check_tensors(
     ranks: dict[str, int],
 ) -> None:
     """Each lora_A [r, in] / lora_B [out, r] against the module it targets, at its rank."""
-    found = 0
     for name, shape in sorted(tensors.items()):
         m = _LORA_TENSOR.match(name)
         if m is None:
             continue
-        found += 1
         is_a = m["ab"] == "A"
         if len(shape) != 2:
             raise ConfigError(f"{adapter}: tensor {name} has shape {shape}, expected 2 dimensions")
@@ -278,11 +310,8 @@ def _check_tensors(
                 f"{adapter}: tensor {name} has shape {shape}, expected {fits} "
                 f"(the model's {module_key(m['module'])} is [{out_features}, {in_features}])"
             )
-    if found == 0:
-        raise ConfigError(f"{adapter}: adapter_model.safetensors has no lora_A/lora_B tensors")
 
 
-_DIGESTED = ("adapter_config.json", "adapter_model.safetensors")
 # (folder, its files' stat) -> digest: a reload rereads only the adapters whose files changed
 # (any write moves a file's mtime and ctime), not every adapter's weights each time.
 _digests: dict[tuple[str, tuple[tuple[int, ...], ...]], str] = {}
@@ -292,8 +321,12 @@ _DIGESTS_KEPT = 4096
 def adapter_digest(path: Path) -> str:
     """The adapter's content digest. A file removed or replaced since it was checked is the
     entry's ``ConfigError``, not the whole catalog's failure."""
+    weights = weights_file(path)
+    if weights is None:
+        raise ConfigError(f"{path.name}: missing adapter_model.safetensors (or adapter_model.bin)")
+    digested = ("adapter_config.json", weights.name)
     stats = []
-    for name in _DIGESTED:
+    for name in digested:
         try:
             stats.append(_identity((path / name).stat()))
         except OSError as exc:
@@ -302,7 +335,7 @@ def adapter_digest(path: Path) -> str:
     if (known := _digests.get(key)) is not None:
         return known
     h = hashlib.sha256()
-    for name in _DIGESTED:
+    for name in digested:
         h.update(name.encode())
         try:
             with (path / name).open("rb") as fh:

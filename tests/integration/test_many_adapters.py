@@ -190,6 +190,35 @@ def test_an_adapter_that_does_not_fit_the_model_is_rejected_by_shape(gateway: Li
         shutil.rmtree(path, ignore_errors=True)
 
 
+def test_a_bin_adapter_is_served_as_its_safetensors_twin(gateway: LiveGateway) -> None:
+    """Older PEFT writes ``adapter_model.bin``; vLLM loads it, so the gateway accepts it."""
+    import torch
+    from safetensors.torch import load_file
+
+    original = gateway.catalog.read_text()
+    root = gateway.adapters_root
+    path = variant(root, "pickled", source="bullets")
+    torch.save(load_file(str(path / "adapter_model.safetensors")), path / "adapter_model.bin")
+    (path / "adapter_model.safetensors").unlink()
+    try:
+        gateway.catalog.write_text(original + "\n  - {name: pickled, adapter: pickled}\n")
+        assert gateway.admin().post("/admin/adapters/reload").status_code == 200
+        assert "pickled" in cards(gateway), admin(gateway)["rejected"]
+
+        def greedy(model: str) -> str:
+            body = {"model": model, "prompt": "Three colours:", "max_tokens": 12, "temperature": 0}
+            with gateway.client() as http:
+                r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        assert greedy("pickled") == greedy("bullets") != greedy("base")
+    finally:
+        gateway.catalog.write_text(original)
+        gateway.admin().post("/admin/adapters/reload")
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def test_the_embedded_models_sizes_are_those_of_its_prepared_config(gateway: LiveGateway) -> None:
     """``engine.max_loras: auto`` sizes the slots from these before the first start has
     prepared the model; once prepared, its config.json must say the same."""

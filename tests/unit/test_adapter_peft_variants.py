@@ -190,12 +190,99 @@ def test_a_config_that_is_not_an_object_is_invalid(tmp_path: Path) -> None:
         check_adapter(path, 16, "llama", None)
 
 
-def test_a_bin_only_adapter_is_told_to_convert(tmp_path: Path) -> None:
+def as_torch_file(path: Path, name: str = "adapter_model.bin", **save: Any) -> Path:
+    """The adapter with its safetensors rewritten as ``torch.save`` writes a state dict."""
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(path / "adapter_model.safetensors")), path / name, **save)
+    (path / "adapter_model.safetensors").unlink()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "save"),
+    [
+        ("adapter_model.bin", {}),
+        ("adapter_model.bin", {"_use_new_zipfile_serialization": False}),  # legacy: read, not mapped
+        ("adapter_model.pt", {}),
+    ],
+)
+def test_torch_saved_weights_are_checked_as_vllm_loads_them(
+    tmp_path: Path, model: ModelShapes, name: str, save: dict[str, Any]
+) -> None:
+    path = as_torch_file(adapter(tmp_path, Q), name, **save)
+    info = check_adapter(path, 16, "llama", model)
+    assert info.rank == 8 and info.warnings == ()
+    wrong = Q | {LAYER + "self_attn.q_proj.lora_B.weight": zeros(H + 1, 8)}
+    path = as_torch_file(adapter(tmp_path, wrong, name="b"), name, **save)
+    with pytest.raises(ConfigError, match=r"q_proj.lora_B.weight has shape \[33, 8\], expected \[32, 8\]"):
+        check_adapter(path, 16, "llama", model)
+
+
+def test_safetensors_win_over_a_bin_beside_them_as_in_vllm(tmp_path: Path, model: ModelShapes) -> None:
+    import torch
+
     path = adapter(tmp_path, Q)
-    (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
-    with pytest.raises(
-        ConfigError, match="only adapter_model.safetensors is read .* convert adapter_model.bin"
-    ):
+    torch.save({"junk": torch.zeros(1)}, path / "adapter_model.bin")  # vLLM never reads it
+    assert check_adapter(path, 16, "llama", model).rank == 8
+    digest = adapter_digest(path)
+    torch.save({"other junk": torch.zeros(2)}, path / "adapter_model.bin")
+    assert adapter_digest(path) == digest
+
+
+def test_a_bin_adapters_digest_follows_its_weights(tmp_path: Path) -> None:
+    import torch
+
+    path = as_torch_file(adapter(tmp_path, Q))
+    digest = adapter_digest(path)
+    state = torch.load(path / "adapter_model.bin", weights_only=True)
+    state[LAYER + "self_attn.q_proj.lora_A.weight"] += 1
+    torch.save(state, path / "adapter_model.bin")
+    assert adapter_digest(path) != digest
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"not a pickle", "adapter_model.bin is not readable"),
+        (b"", "adapter_model.bin is not readable"),
+        ("state", "adapter_model.bin is not a state dict"),
+        ("code", "adapter_model.bin is not readable: Weights only load failed"),
+    ],
+)
+def test_an_unreadable_bin_rejects_its_entry_only(tmp_path: Path, content: bytes | str, why: str) -> None:
+    import torch
+
+    path = as_torch_file(adapter(tmp_path, Q))
+    target = path / "adapter_model.bin"
+    if content == "state":
+        torch.save({"a.lora_A.weight": [1, 2]}, target)  # not tensors
+    elif content == "code":
+        torch.save({"a.lora_A.weight": Path("x")}, target)  # an object weights_only refuses
+    else:
+        assert isinstance(content, bytes)
+        target.write_bytes(content)
+    with pytest.raises(ConfigError, match=why):
+        check_adapter(path, 16, "llama", None)
+    adapter(tmp_path, Q, name="good")
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text("routes:\n  - {name: bad, adapter: a}\n  - {name: good, adapter: good}\n")
+    table = load_table(
+        catalog,
+        base_name="llama",
+        adapters_root=tmp_path / "adapters",
+        max_lora_rank=16,
+        model_modules=None,
+        lora_ids=LoraIds(),
+    )
+    assert set(table.routes) == {"good"} and why in table.errors["bad"]
+
+
+def test_an_adapter_without_weights_names_both_files(tmp_path: Path) -> None:
+    path = adapter(tmp_path, Q)
+    (path / "adapter_model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"missing adapter_model.safetensors \(or adapter_model.bin\)"):
         check_adapter(path, 16, "llama", None)
 
 

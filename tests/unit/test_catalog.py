@@ -201,7 +201,7 @@ def test_weights_gone_between_check_and_digest_reject_only_that_entry(
 
     monkeypatch.setattr(catalog_module, "check_adapter", check_then_vanish)
     table = table_for(tmp_path, root)
-    assert "adapter_model.safetensors is not readable" in table.errors["json"]
+    assert "json: missing adapter_model.safetensors" in table.errors["json"]
     assert set(table.routes) == {"shout", "concise"}
 
 
