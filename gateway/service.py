@@ -57,6 +57,7 @@ from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, Ste
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
 # it runs in the tokenizing thread so the event loop keeps streaming other requests' tokens.
 _THREAD_TOKENIZE_CHARS = 256
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy sampling (vLLM's _SAMPLING_EPS)
 # Decoding is cheaper per token (1,000,000 ids: 0.33 s); below this many, on the loop.
 _THREAD_DECODE_IDS = 4096
 T = TypeVar("T")
@@ -112,8 +113,11 @@ class Generation:
         *,
         more_prompts: Sequence[list[int]] = (),
         echo: list[Echo] | None = None,
+        copies: int = 1,
         scheduler: LoraScheduler | None = None,
     ) -> None:
+        """``copies``: engine requests per prompt, each of ``sampling.n // copies`` choices
+        (greedy choices: one request each, as vLLM has no greedy ``n``)."""
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.route: Route = lease.route
@@ -141,9 +145,9 @@ class Generation:
         # completions only: the prompts after the first, and what to echo per prompt
         self._more_prompts = list(more_prompts)
         self._echo = echo
-        self._request_ids = (
-            [self.id] if not more_prompts else [f"{self.id}-{p}" for p in range(1 + len(more_prompts))]
-        )
+        self._copies = copies
+        streams = (1 + len(more_prompts)) * copies
+        self._request_ids = [self.id] if streams == 1 else [f"{self.id}-{k}" for k in range(streams)]
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -153,10 +157,10 @@ class Generation:
         self._iterated = True  # from here on, this generator's end lets go of the lease
         finished = started = False
         last = 0.0  # when the engine stream last stepped (one prompt: the hot path)
-        # With several prompts their streams' steps interleave, and a gap between two streams'
-        # steps is no stream's inter-token latency: each prompt's last step, by prompt.
-        lasts: dict[int, float] | None = {} if self._more_prompts else None
-        n = self.sampling.n
+        # With several engine streams their steps interleave, and a gap between two streams'
+        # steps is no stream's inter-token latency: each stream's last step, by stream.
+        lasts: dict[int, float] | None = {} if len(self._request_ids) > 1 else None
+        n = self.sampling.n // self._copies  # choices per engine stream
         ticket: Ticket | None = None
         source: AsyncIterator[StepOutput] | None = None
         try:
@@ -214,15 +218,15 @@ class Generation:
 
     def _engine_steps(self) -> AsyncIterator[StepOutput]:
         priority = self.caller.priority if self.caller is not None else 0
-        if not self._more_prompts and self._echo is None:  # the hot path: one plain stream
+        if len(self._request_ids) == 1 and self._echo is None:  # the hot path: one plain stream
             return self._engine.generate(self._prompt_ids, self._params, self.id, self.lora, priority)
+        prompts = [self._prompt_ids, *self._more_prompts]
         streams = []
-        for p, (prompt, request_id) in enumerate(
-            zip([self._prompt_ids, *self._more_prompts], self._request_ids, strict=True)
-        ):
-            stream = self._engine.generate(prompt, self._params, request_id, self.lora, priority)
+        for k, request_id in enumerate(self._request_ids):  # prompt-major: choice p * n + copy
+            p = k // self._copies
+            stream = self._engine.generate(prompts[p], self._params, request_id, self.lora, priority)
             streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
-        return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n)
+        return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n // self._copies)
 
     def close(self) -> None:
         """Release a generation that was never iterated. Once ``steps`` has run, its own end
@@ -494,11 +498,10 @@ class ChatService:
         sampling = _sampling(request, lease.route.defaults, max_tokens, logprobs, constraint)
         if echo is not None and logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=logprobs)
-        if sampling.n > 1 and sampling.temperature == 0:
-            raise InvalidRequest(
-                "n > 1 needs a temperature above 0 (greedy choices are identical)", param="n"
-            )
-        params = await self._prepare(sampling, constraint_param)
+        # vLLM refuses n > 1 when greedy; OpenAI answers it: one engine request per choice
+        # (the prompt's KV blocks are shared through the prefix cache).
+        copies = sampling.n if sampling.n > 1 and sampling.temperature < GREEDY_BELOW else 1
+        params = await self._prepare(replace(sampling, n=1) if copies > 1 else sampling, constraint_param)
         return Generation(
             self._engine,
             lease,
@@ -508,6 +511,7 @@ class ChatService:
             id_prefix,
             more_prompts=more_prompts or (),
             echo=echo,
+            copies=copies,
             scheduler=self._scheduler if lease.route.lora is not None else None,
         )
 

@@ -92,6 +92,27 @@ def test_n_seed_and_logprobs(client: openai.OpenAI, base_model: str) -> None:
     assert all(t.logprob <= 0 for t in lp.content)
 
 
+def test_greedy_n_answers_every_choice_as_openai_does(client: openai.OpenAI, base_model: str) -> None:
+    """vLLM's server refuses n > 1 at temperature 0; OpenAI answers with n choices."""
+    r = client.chat.completions.create(model=base_model, messages=QUESTION, max_tokens=8, temperature=0, n=3)
+    one = client.chat.completions.create(model=base_model, messages=QUESTION, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert {c.message.content for c in r.choices} == {one.choices[0].message.content}
+    assert r.usage is not None and one.usage is not None
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=base_model, messages=QUESTION, max_tokens=8, temperature=0, n=2, stream=True
+        )
+    )
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [one.choices[0].message.content] * 2
+
+
 def test_penalties_and_user_are_accepted(client: openai.OpenAI, base_model: str) -> None:
     r = client.chat.completions.create(
         model=base_model,

@@ -204,12 +204,39 @@ def test_invalid_chat_bodies_are_rejected(body: dict[str, object]) -> None:
         ChatCompletionRequest.model_validate(body)
 
 
-async def test_greedy_with_several_choices_is_400_before_streaming() -> None:
+async def test_greedy_choices_are_one_engine_request_each() -> None:
+    """vLLM refuses ``n > 1`` when greedy; OpenAI answers it, so each choice is a request."""
     service, catalog, engine = setup()
-    with pytest.raises(InvalidRequest) as info:
-        await service.chat(chat(n=2, temperature=0), catalog.acquire("concise"))
-    assert info.value.param == "n"
-    assert engine.calls == []
+    gen = await service.chat(chat(n=3, temperature=0), catalog.acquire("concise"))
+    result = await gen.collect()
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert {"".join(c.text) for c in result.choices} == {"Hello world!"}
+    assert all(c.finish_reason == "stop" for c in result.choices)
+    assert [call[1].n for call in engine.calls] == [1, 1, 1]
+    assert len({call[2] for call in engine.calls}) == 3  # request ids of their own
+    assert result.prompt_tokens == len(engine.calls[0][0])  # the prompt counted once, as OpenAI does
+    assert result.completion_tokens == 3 * 3
+
+
+async def test_greedy_choices_of_several_prompts_keep_openais_order() -> None:
+    service, catalog, engine = setup()
+    request = CompletionRequest(model="base-model", prompt=["ab", "cde"], n=2, temperature=0, echo=True)
+    result = await (await service.complete(request, catalog.acquire(None))).collect()
+    # choice index = prompt * n + copy, each echoing its own prompt
+    assert ["".join(c.text) for c in result.choices] == [
+        "abHello world!",
+        "abHello world!",
+        "cdeHello world!",
+        "cdeHello world!",
+    ]
+    assert [call[1].n for call in engine.calls] == [1] * 4
+    assert result.prompt_tokens == len(engine.calls[0][0]) + len(engine.calls[2][0])
+
+
+async def test_sampled_choices_stay_one_engine_request() -> None:
+    service, catalog, engine = setup()
+    await (await service.chat(chat(n=2, temperature=0.5), catalog.acquire("concise"))).collect()
+    assert [call[1].n for call in engine.calls] == [2]
 
 
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
