@@ -151,9 +151,9 @@ class ResponseToolEncoder(ResponseEventEncoder):
             return self._add(self.items[0], c.text)
         if self.plan.mode == "required":
             out = b""
-            for kind, value in self.scanner.feed(c.text):
+            for kind, value, k in self.scanner.feed(c.text):
                 if kind == "name":
-                    if self.scanner.calls == 1 and self.first_name is not None:
+                    if k == 0 and self.first_name is not None:
                         continue  # announced at the start
                     out += self._open(self._call(value))
                 else:

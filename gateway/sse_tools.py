@@ -155,8 +155,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
         """Each call's name as soon as it is complete, then its arguments as they grow."""
         scanner = state.scanner
         out = []
-        for kind, value in scanner.feed(c.text):
-            k = scanner.calls - 1
+        for kind, value, k in scanner.feed(c.text):
             if kind == "name" and k == 0 and self._announced:
                 continue  # its head went out at the start
             if kind == "name":

@@ -564,10 +564,11 @@ _CALL_HEAD = re.compile(
 
 class RequiredCallScanner:
     """Reads a ``required`` answer (``[{"name": ..., "arguments": {...}}, ...]``) as it grows:
-    ``feed`` returns ``("name", name)`` when a call's name is complete, then ``("arguments",
-    fragment)`` pieces of its arguments object as they are generated, from its opening brace
-    (blanks before it are not the arguments'), so that the fragments of a stream add up to
-    what the whole text gives."""
+    ``feed`` returns ``("name", name, k)`` when call ``k``'s name is complete, then
+    ``("arguments", fragment, k)`` pieces of its arguments object as they are generated, from
+    its opening brace (blanks before it are not the arguments'), so that the fragments of a
+    stream add up to what the whole text gives. One piece may end a call and begin the next:
+    each event carries its own call's index."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -578,15 +579,15 @@ class RequiredCallScanner:
         self._in_string = False
         self._escaped = False
 
-    def feed(self, piece: str) -> list[tuple[str, str]]:
+    def feed(self, piece: str) -> list[tuple[str, str, int]]:
         self.text += piece
-        out: list[tuple[str, str]] = []
+        out: list[tuple[str, str, int]] = []
         while True:
             if not self._in_args:
                 head = _CALL_HEAD.match(self.text, self._pos)
                 if head is None:
                     return out
-                out.append(("name", json.loads(head.group(1))))
+                out.append(("name", json.loads(head.group(1)), self.calls))
                 self.calls += 1
                 self._pos, self._in_args, self._depth = head.end(), True, 0
             while self._depth == 0 and self._pos < len(self.text) and self.text[self._pos].isspace():
@@ -594,7 +595,7 @@ class RequiredCallScanner:
             start = self._pos
             done = self._scan()
             if self._pos > start:
-                out.append(("arguments", self.text[start : self._pos]))
+                out.append(("arguments", self.text[start : self._pos], self.calls - 1))
             if not done:
                 return out
             self._in_args = False
@@ -630,7 +631,7 @@ def parse_required(text: str) -> list[ParsedCall]:
     ``max_tokens``, the last one's as far as they got, as OpenAI does). Not parsed and
     written again: ``1e999`` would come back as ``Infinity``, which is not JSON."""
     calls: list[list[str]] = []
-    for kind, piece in RequiredCallScanner().feed(text):
+    for kind, piece, _ in RequiredCallScanner().feed(text):
         if kind == "name":
             calls.append([piece, ""])
         else:

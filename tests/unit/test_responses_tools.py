@@ -191,6 +191,17 @@ def test_required_streams_each_call_as_its_own_item() -> None:
     assert constraint is not None and constraint.kind == "json" and constraint.value["type"] == "array"
 
 
+def test_required_with_one_function_and_two_calls_in_one_step() -> None:
+    """The one function's call is announced at the start; a step naming it and a second call
+    (vLLM merges steps when its reader lags) opens only the second."""
+    words = ['[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]']
+    http, _ = app(words)
+    events, final = streamed(http, input="Time?", tools=[TIME], tool_choice="required")
+    added = [(e.output_index, e.item.name) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "get_time"), (1, "get_time")]
+    assert [(c.name, c.arguments) for c in final.output] == [("get_time", "{}")] * 2  # type: ignore[union-attr]
+
+
 def test_a_tool_round_trip_through_previous_response_id() -> None:
     http, engine = app(CALL)
     client = sdk(http)

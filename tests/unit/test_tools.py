@@ -686,6 +686,10 @@ def test_required_arguments_are_the_generated_text_not_a_rewrite() -> None:
         (['[{"name": "add", "arguments":', " ", ' {"a": 1}}]'], None),
         # one function offered: announced before any token, cut short before its name
         (['[{"na'], "one"),
+        # one step ends a call and starts the next (vLLM merges steps when its reader lags)
+        (['[{"name": "add", "arguments": {"a"', ': 1}}, {"name": "get_weather", "arguments": {}}]'], None),
+        # the whole list in one step
+        (['[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]'], None),
     ],
 )
 async def test_a_required_answer_whole_agrees_with_its_stream(words: list[str], tools: str | None) -> None:
@@ -705,6 +709,15 @@ async def test_a_required_answer_whole_agrees_with_its_stream(words: list[str], 
     assert calls and calls == [(c["name"], c["arguments"]) for c in msg["tool_calls"].values()]
 
 
+async def test_required_stream_numbers_calls_of_one_step_in_order() -> None:
+    words = ['[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]']
+    chunks = await stream_chunks(make_gen(words, tool_choice="required"))
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or ()]
+    heads = [(d["index"], d["function"]["name"]) for d in deltas if "name" in d["function"]]
+    assert heads == [(0, "add"), (1, "get_weather")]
+    assert [d["index"] for d in deltas] == [0, 0, 1, 1]  # each head, then its arguments
+
+
 def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
     text = (
         '[{"name": "add", "arguments": {"a": "x}{\\"]", "b": [1, {"c": 2}]}}, {"name": "f", "arguments": {}}]'
@@ -712,7 +725,8 @@ def test_required_scanner_survives_any_split_and_braces_in_strings() -> None:
     for size in (1, 2, 5, len(text)):
         scanner, names, args = RequiredCallScanner(), [], []
         for i in range(0, len(text), size):
-            for kind, value in scanner.feed(text[i : i + size]):
+            for kind, value, k in scanner.feed(text[i : i + size]):
+                assert k == len(names) - (kind == "arguments")  # its own call's index
                 if kind == "name":
                     names.append(value)
                     args.append("")
