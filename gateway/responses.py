@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -84,11 +85,27 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 _PARSE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse-body")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused where a float cannot hold it (``1e400``): a field
+    kept as sent (a schema, a tool) would echo it as ``Infinity``, which is not JSON."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidRequest(f"request body holds a number out of range: {text[:40]}")
+    return value
+
+
+def _not_json(name: str) -> float:
+    """``NaN`` and ``Infinity``: Python's json reads them, JSON has no such values."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def _parse(body: bytearray, model: type[M]) -> M:
     try:
         # Decoded strictly first: json.loads(bytes) decodes with "surrogatepass", so a lone
         # surrogate sent as raw (CESU-8) bytes would pass through and fail in the tokenizer.
-        data = json.loads(body.decode(json.detect_encoding(body)))
+        data = json.loads(
+            body.decode(json.detect_encoding(body)), parse_float=_finite, parse_constant=_not_json
+        )
     except (ValueError, RecursionError):  # ValueError: also bad UTF-8; RecursionError: deep nesting
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):

@@ -87,6 +87,9 @@ async def test_a_body_at_the_limit_is_read() -> None:
         b"\xff\xfe",
         b"[" * 100_000 + b"]" * 100_000,
         b'{"name": "\xed\xa0\x80"}',  # a lone surrogate as raw bytes: not UTF-8
+        b'{"name": "a", "extra": NaN}',  # Python's json reads these; JSON has no such values
+        b'{"name": "a", "extra": [Infinity]}',
+        b'{"name": "a", "extra": {"x": -Infinity}}',
     ],
 )
 async def test_bad_json_is_400(body: bytes) -> None:
@@ -95,6 +98,18 @@ async def test_bad_json_is_400(body: bytes) -> None:
         await read_json(req, Small, limits(1_000_000))
     assert info.value.status_code == 400 and info.value.message == "request body is not valid JSON"
     assert info.value.param is None
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1.5e999"])
+async def test_a_number_no_float_holds_is_400_wherever_it_is(number: str) -> None:
+    """Valid JSON, but a float reads it as infinity: a field kept as sent (a schema, a tool)
+    echoed it as ``Infinity`` in the response, which is not JSON (a 500)."""
+    req, _ = request([f'{{"name": "a", "extra": {{"schema": {{"maximum": {number}}}}}}}'.encode()])
+    with pytest.raises(InvalidRequest) as info:
+        await read_json(req, Small, limits(1_000_000))
+    assert info.value.message == f"request body holds a number out of range: {number}"
+    req, _ = request([b'{"name": "a", "extra": [1e300, -2.5e-400, 10000000000000000000000000]}'])
+    assert (await read_json(req, Small, limits(1_000_000))).name == "a"  # big, tiny and int: fine
 
 
 @pytest.mark.parametrize("body", [b"[1, 2]", b'"name"', b"3", b"null", b"true"])

@@ -764,3 +764,22 @@ def test_admission_applies(http_nolife: TestClient) -> None:
         http_nolife.get("/v1/responses/resp_x", headers={"Authorization": f"Bearer {ALICE}"}).status_code
         == 404
     )
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        '[{"type":"function","name":"f","parameters":{"type":"object","properties":{"a":{"maximum":1e400}}}}]',
+        '[{"type":"function","name":"f","x":NaN}]',
+    ],
+)
+def test_a_non_finite_number_in_an_echoed_field_is_a_400_before_anything_runs(
+    http_nolife: TestClient, engine: ReadyEngine, tools: str
+) -> None:
+    """Tools and schemas are echoed in the Response as sent: a number no float holds came
+    back as ``Infinity`` (not JSON), a 500 after the answer was generated and stored."""
+    body = f'{{"model":"base-model","input":"hi","tools":{tools}}}'
+    headers = {"Authorization": f"Bearer {ALICE}", "Content-Type": "application/json"}
+    r = http_nolife.post("/v1/responses", content=body, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert engine.calls == []
