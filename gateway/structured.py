@@ -270,6 +270,8 @@ def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
     too_big = schema_size_problem(schema)
     if too_big is not None:
         return "", too_big
+    if not isinstance(schema.get("$schema", ""), str):  # validator_for would fail parsing it as a URI
+        return "$schema", "'$schema' must be a string (the dialect's URI)"
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:

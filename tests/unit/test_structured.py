@@ -230,6 +230,14 @@ def test_bad_and_deep_schemas_are_refused_every_time(repeat: int) -> None:
         check_schema(deep, "response_format")
 
 
+@pytest.mark.parametrize("dialect", [5, ["x"], {"a": 1}, True, None])
+def test_a_dialect_that_is_no_string_is_a_400(dialect: Any) -> None:
+    # jsonschema's validator_for parses it as a URI: it raised, and the request was a 500
+    with pytest.raises(InvalidRequest, match=r"at \$schema: '\$schema' must be a string") as info:
+        check_schema({"$schema": dialect, "type": "object"}, "tools")
+    assert info.value.param == "tools"
+
+
 # -- what xgrammar (the default grammar backend) would take without enforcing -------------
 @pytest.mark.parametrize(
     ("schema", "where"),
