@@ -38,7 +38,7 @@ from pydantic import (
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest
-from gateway.structured import check_schema
+from gateway.structured import TEXT, check_schema
 from gateway.tools import UnansweredCall
 from gateway.types import Constraint
 
@@ -59,6 +59,20 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
 # items, tool calls other than functions, images), so they change nothing, as on OpenAI for
 # a model without them.
 _INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's includable values (the SDK's ``ResponseIncludable``): any other is a 400, as
+# OpenAI answers it, so that a misspelt one is not taken for granted.
+_INCLUDABLE = frozenset(
+    {
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+        _INCLUDE_LOGPROBS,
+    }
+)
 _TOOL_CHOICE = "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
 # Chat completions' names for what a Responses request says otherwise: refused (a request
 # that sends them means them), naming the field to use.
@@ -104,6 +118,11 @@ class TextConfig(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
     verbosity: Literal["medium"] | None = None  # low/high would change the answer
 
+    @field_validator("format", mode="before")
+    @classmethod
+    def _null_is_text(cls, value: Any) -> Any:
+        return {} if value is None else value  # as left out: plain text unless the route says
+
 
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``. ``task`` is the gateway's routing extension, as for chat."""
@@ -147,10 +166,12 @@ class ResponsesRequest(BaseModel):
             raise ValueError(_TOOL_CHOICE)
         return value
 
-    @field_validator("stream", "store", mode="before")
+    @field_validator("stream", "store", "text", mode="before")
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[info.field_name or ""].default if value is None else value
+        if value is None:
+            return cls.model_fields[info.field_name or ""].get_default(call_default_factory=True)
+        return value
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
@@ -164,6 +185,12 @@ class ResponsesRequest(BaseModel):
             not isinstance(include, list) or not all(isinstance(value, str) for value in include)
         ):
             raise InvalidRequest("include must be a list of strings", param="include")
+        unknown = [value for value in include or () if value not in _INCLUDABLE]
+        if unknown:
+            known = ", ".join(sorted(_INCLUDABLE))
+            raise InvalidRequest(
+                f"include: unknown value '{unknown[0][:80]}'; expected one of {known}", param="include"
+            )
         if _INCLUDE_LOGPROBS in (include or ()):
             raise InvalidRequest(
                 f"include: '{_INCLUDE_LOGPROBS}' is not supported by this gateway", param="include"
@@ -334,7 +361,11 @@ def rename_param(exc: InvalidRequest) -> InvalidRequest:
 
 
 def constraint(fmt: TextFormat) -> Constraint | None:
-    """``text.format`` as a structured-decoding constraint (None for plain text)."""
+    """``text.format`` as a structured-decoding constraint: ``TEXT`` for plain text asked
+    for by name (it wins over a route's default format that is not enforced), None when
+    left out."""
+    if fmt.type == "text":
+        return TEXT if "type" in fmt.model_fields_set else None
     if fmt.type == "json_object":
         return Constraint("json_object")
     if fmt.type == "json_schema":

@@ -47,6 +47,11 @@ _ANNOTATIONS = frozenset({"title", "description", "examples", "$comment", "defau
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
+# The field beside ``type`` that each response_format type reads (``text``: none).
+_FORMAT_FIELDS = {"json_schema": "json_schema", "json_object": "schema"}
+TEXT = Constraint("text")  # plain text, asked for by name (``response_format: {"type": "text"}``)
+
+
 def request_constraint(extra: Mapping[str, Any]) -> tuple[Constraint | None, str]:
     """The constraint a request body asks for, and the field it came from (the ``param``
     of any later error about it)."""
@@ -55,7 +60,7 @@ def request_constraint(extra: Mapping[str, Any]) -> tuple[Constraint | None, str
             raise InvalidRequest(f"'{name}' is not supported; use 'structured_outputs'", param=name)
     fmt = parse_response_format(extra.get("response_format"))
     so = parse_structured_outputs(extra.get("structured_outputs"))
-    if fmt is not None and so is not None:
+    if fmt not in (None, TEXT) and so is not None:
         raise InvalidRequest(
             "give either 'response_format' or 'structured_outputs', not both", param="structured_outputs"
         )
@@ -65,7 +70,7 @@ def request_constraint(extra: Mapping[str, Any]) -> tuple[Constraint | None, str
 
 
 def parse_response_format(value: Any, param: str = "response_format") -> Constraint | None:
-    """OpenAI's ``response_format`` -> a constraint; ``text`` (or none) -> None."""
+    """OpenAI's ``response_format`` -> a constraint: ``text`` -> ``TEXT``, none -> None."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -74,8 +79,12 @@ def parse_response_format(value: Any, param: str = "response_format") -> Constra
     unknown = set(value) - {"type", "json_schema", "schema"}
     if unknown:
         raise InvalidRequest(f"unknown field in '{param}': {', '.join(sorted(unknown))}", param=param)
+    read = _FORMAT_FIELDS.get(kind) if isinstance(kind, str) else None
+    unread = sorted(k for k in ("json_schema", "schema") if k != read and value.get(k) is not None)
+    if kind in ("text", "json_object", "json_schema") and unread:  # else dropped without a word
+        raise InvalidRequest(f"'{param}.{unread[0]}' does not go with type '{kind}'", param=param)
     if kind == "text":
-        return None
+        return TEXT
     if kind == "json_object":
         # Some clients (instructor's older JSON_SCHEMA mode, Together, Anyscale) put a
         # schema beside json_object; honour it rather than ignore it.
@@ -662,7 +671,8 @@ def route_constraint(value: dict[str, Any] | str | None, configs_dir: Path) -> C
         if isinstance(value, str):
             value = _schema_file(value, configs_dir)
         if value.get("type") in ("text", "json_object", "json_schema"):
-            return parse_response_format(value)
+            parsed = parse_response_format(value)
+            return None if parsed == TEXT else parsed
         return Constraint("json", check_schema(value, "response_format"))
     except InvalidRequest as exc:
         raise ConfigError(exc.message) from None
@@ -720,8 +730,12 @@ def choose(
     asked: Constraint | None, param: str, default: Constraint | None, enforce: bool, route: str
 ) -> Constraint | None:
     """The constraint a request runs with: the request's own, else the route's default.
-    An enforcing route admits a request that asks for nothing, for any JSON object
-    (its schema is one), or for its own schema (annotations aside); anything else is a 400."""
+    An enforcing route admits a request that asks for nothing (or for text, as OpenAI's
+    default), for any JSON object (its schema is one), or for its own schema (annotations
+    aside); anything else is a 400. Plain text asked for by name (``TEXT``) wins over a
+    default the route does not enforce."""
+    if asked == TEXT:
+        return default if enforce else None
     if asked is None:
         return default
     if not enforce or default is None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +20,9 @@ class Constraint:
     """Structured decoding: the engine only samples tokens that keep the output inside
     this language. ``value`` by kind: ``json`` a JSON schema (dict), ``regex`` and
     ``grammar`` a string, ``choice`` a tuple of strings, ``json_object`` None (any JSON
-    object)."""
+    object). ``text`` (``structured.TEXT``) is plain text asked for by name, which wins over
+    a route's default format that the route does not enforce; ``structured.choose`` turns
+    it into None, so the engine never sees it."""
 
     kind: ConstraintKind
     value: Any = None

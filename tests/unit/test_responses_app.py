@@ -783,3 +783,46 @@ def test_a_non_finite_number_in_an_echoed_field_is_a_400_before_anything_runs(
     r = http_nolife.post("/v1/responses", content=body, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     assert engine.calls == []
+
+
+def test_null_text_and_format_are_the_default(http_nolife: TestClient, engine: ReadyEngine) -> None:
+    """The SDKs' ``text=None`` (and generic wrappers' ``format: null``) leave the format out."""
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    for text in (None, {"format": None}):
+        r = http_nolife.post(
+            "/v1/responses", json={"model": "base-model", "input": "hi", "text": text}, headers=headers
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["text"]["format"] == {"type": "text"}
+    assert [call[1].constraint for call in engine.calls] == [None, None]
+
+
+@pytest.mark.parametrize("value", ["message.output_text.logprob", "reasoning", ""])
+def test_an_include_value_openai_does_not_know_is_a_400(http_nolife: TestClient, value: str) -> None:
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    body = {"model": "base-model", "input": "hi", "include": [value]}
+    r = http_nolife.post("/v1/responses", json=body, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include", r.text
+    assert "unknown value" in r.json()["error"]["message"]
+    body["include"] = ["reasoning.encrypted_content", "web_search_call.action.sources"]  # known, no effect
+    assert http_nolife.post("/v1/responses", json=body, headers=headers).status_code == 200
+
+
+def test_plain_text_asked_for_wins_over_a_default_the_route_does_not_enforce(engine: ReadyEngine) -> None:
+    http = make_app(engine)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    soft = Route(name="soft", kind="preset", response_format=Constraint("json", schema))
+    hard = Route(name="hard", kind="preset", response_format=Constraint("json", schema), enforce=True)
+    table = RoutingTable(
+        base=Route(name="base-model", kind="base"), routes={"soft": soft, "hard": hard}, errors={}
+    )
+    http.app.state.gateway.catalog = Catalog(lambda ids: table)  # type: ignore[attr-defined]
+    client = sdk(http)
+    client.responses.create(model="soft", input="hi")
+    client.responses.create(model="soft", input="hi", text={"format": {"type": "text"}})
+    client.responses.create(model="hard", input="hi", text={"format": {"type": "text"}})
+    assert [call[1].constraint for call in engine.calls] == [
+        Constraint("json", schema),  # left out: the route's default
+        None,  # asked for by name: plain text
+        Constraint("json", schema),  # the route enforces its format
+    ]

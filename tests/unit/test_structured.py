@@ -10,6 +10,7 @@ import pytest
 
 from gateway.errors import ConfigError, InvalidRequest
 from gateway.structured import (
+    TEXT,
     _cached_problem,
     as_response_format,
     check_schema,
@@ -32,8 +33,25 @@ def _schema_format(schema: Any, **extra: Any) -> dict[str, Any]:
 
 def test_text_and_absent_mean_no_constraint() -> None:
     assert parse_response_format(None) is None
-    assert parse_response_format({"type": "text"}) is None
+    assert parse_response_format({"type": "text"}) == TEXT  # asked for: it overrides a soft default
     assert request_constraint({}) == (None, "response_format")
+    text_and_regex = {"response_format": {"type": "text"}, "structured_outputs": {"regex": "a+"}}
+    assert request_constraint(text_and_regex) == (Constraint("regex", "a+"), "structured_outputs")
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ({"type": "json_object", "json_schema": {"name": "x", "schema": SCHEMA}}, "json_schema"),
+        ({"type": "text", "schema": SCHEMA}, "schema"),
+        ({"type": "text", "json_schema": {"name": "x", "schema": SCHEMA}}, "json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}, "schema": SCHEMA}, "schema"),
+    ],
+)
+def test_a_schema_its_type_does_not_read_is_400_not_dropped(value: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"'response_format.{field}' does not go with type"):
+        parse_response_format(value)
+    parse_response_format({**value, field: None})  # null is left out
 
 
 def test_json_object_and_json_schema() -> None:
@@ -167,12 +185,15 @@ def test_choose_request_wins_on_a_route_that_does_not_enforce() -> None:
     assert choose(None, "response_format", route, False, "r") == route
     assert choose(asked, "response_format", route, False, "r") == asked
     assert choose(asked, "response_format", None, True, "r") == asked
+    assert choose(TEXT, "response_format", route, False, "r") is None  # plain text, as asked
+    assert choose(TEXT, "response_format", None, False, "r") is None
 
 
 def test_choose_on_an_enforcing_route() -> None:
     route = Constraint("json", {**SCHEMA, "additionalProperties": False})
     assert choose(None, "response_format", route, True, "json") == route
     assert choose(Constraint("json_object"), "response_format", route, True, "json") == route
+    assert choose(TEXT, "response_format", route, True, "json") == route  # OpenAI's default: as left out
     # The SDK's pydantic schema: the same shape, with titles.
     titled = {
         "title": "Answer",

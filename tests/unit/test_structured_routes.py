@@ -64,10 +64,15 @@ async def test_route_defaults_and_enforcement() -> None:
     regex = {"regex": "[0-9]+"}
     gen = await service.chat(chat(model="soft", structured_outputs=regex), catalog.acquire("soft"))
     await gen.collect()
+    text = {"type": "text"}
+    await (await service.chat(chat(model="soft", response_format=text), catalog.acquire("soft"))).collect()
+    await (await service.chat(chat(model="json", response_format=text), catalog.acquire("json"))).collect()
     assert [c[1].constraint for c in engine.calls] == [
         Constraint("json", ANSWER),
         Constraint("json_object"),
         Constraint("regex", "[0-9]+"),
+        None,  # plain text asked for wins over the default the route does not enforce
+        Constraint("json", ANSWER),  # an enforcing route reads it as left out
     ]
     with pytest.raises(InvalidRequest) as info:
         await service.chat(chat(model="json", structured_outputs=regex), catalog.acquire("json"))
