@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import jsonschema
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -50,6 +52,8 @@ TOOL_TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "configs" / "templ
 
 
 ToolMode = Literal["none", "auto", "required", "named"]
+# The offered functions' names; a mapping gives a strict one's arguments validator.
+Names = Collection[str] | Mapping[str, "jsonschema.protocols.Validator | None"]
 
 
 # -- wire models -------------------------------------------------------------------------
@@ -116,8 +120,11 @@ class ToolPlan:
     parallel: bool = True  # False: one call at most
 
     @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self.tools)
+    def names(self) -> dict[str, jsonschema.protocols.Validator | None]:
+        """Each offered function's name, with a validator of its arguments where it is
+        ``strict``: an ``auto`` answer's call to it is a call only if its arguments validate
+        (OpenAI's promise for strict functions; the grammar leaves ``auto`` free)."""
+        return {t.name: _strict_validator(t) for t in self.tools}
 
     @property
     def first_name(self) -> str | None:
@@ -418,7 +425,7 @@ _LINE = re.compile(r"\n\s*(\S)")  # a line's first character
 _NON_BLANK = re.compile(r"\S")
 
 
-def parse_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ParsedCall]]:
+def parse_calls(text: str, names: Names) -> tuple[str | None, list[ParsedCall]]:
     """The ``json`` parser: (content, calls) of an ``auto`` answer. A call is a JSON object
     ``{"name": <an offered tool>, "arguments": {...}}`` (``parameters`` is read too) or a
     list of them.
@@ -440,7 +447,7 @@ def parse_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[Par
     return text, []
 
 
-def settled_content(text: str, names: tuple[str, ...], checked: int = 0) -> tuple[int, int]:
+def settled_content(text: str, names: Names, checked: int = 0) -> tuple[int, int]:
     """For an ``auto`` answer that opened with text (not ``CALL_OPENERS``), being streamed:
     ``text[:end]`` is content whatever comes next, as ``parse_calls`` will read the whole:
     all but trailing blanks, up to the first line that is, or may yet become, calls that end
@@ -461,7 +468,7 @@ def _before_blanks(text: str, end: int) -> int:
     return end
 
 
-def _leading_calls(text: str, names: tuple[str, ...]) -> tuple[list[ParsedCall], int]:
+def _leading_calls(text: str, names: Names) -> tuple[list[ParsedCall], int]:
     """The calls an answer opens with, bare or fenced, one after another; where they end."""
     calls: list[ParsedCall] = []
     pos = 0
@@ -479,7 +486,7 @@ def _leading_calls(text: str, names: tuple[str, ...]) -> tuple[list[ParsedCall],
         pos = end
 
 
-def _json_calls(text: str, pos: int, names: tuple[str, ...]) -> tuple[list[ParsedCall], int, str]:
+def _json_calls(text: str, pos: int, names: Names) -> tuple[list[ParsedCall], int, str]:
     """The calls written as bare JSON values from ``pos`` on, one after another; where they
     end; and what follows: ``end`` (only blanks), ``partial`` (a JSON value cut short, which
     more text may make a call) or ``other``."""
@@ -510,7 +517,7 @@ def _cut_short(text: str, exc: json.JSONDecodeError) -> bool:
     return exc.msg.startswith("Unterminated string") or not any(c.isspace() for c in text[exc.pos :])
 
 
-def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
+def _calls_of(text: str, names: Names) -> list[ParsedCall]:
     """The calls a text holds as one JSON value (a fenced block's)."""
     if not text or text[0] not in "[{":
         return []
@@ -521,8 +528,9 @@ def _calls_of(text: str, names: tuple[str, ...]) -> list[ParsedCall]:
     return _calls_in(value, names)
 
 
-def _calls_in(value: Any, names: tuple[str, ...]) -> list[ParsedCall]:
-    """A call object, or a list of them, as calls; [] if anything in it is not one."""
+def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
+    """A call object, or a list of them, as calls; [] if anything in it is not one (a strict
+    function's arguments that do not validate included)."""
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
@@ -534,10 +542,27 @@ def _calls_in(value: Any, names: tuple[str, ...]) -> list[ParsedCall]:
                 args = _STRICT.decode(args)
             if not isinstance(args, dict):
                 return []
+            strict = names.get(item["name"]) if isinstance(names, Mapping) else None
+            if strict is not None and not strict.is_valid(args):
+                return []
             calls.append(ParsedCall(item["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)))
         except (ValueError, RecursionError):
             return []
     return calls
+
+
+@lru_cache(maxsize=256)
+def _validator_for(text: str) -> jsonschema.protocols.Validator:
+    schema = json.loads(text)
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def _strict_validator(fn: FunctionDef) -> jsonschema.protocols.Validator | None:
+    """A validator of ``fn``'s arguments if it is strict (cached by its schema's text: an
+    app sends the same tools with every request); None if it is not."""
+    if not fn.strict:
+        return None
+    return _validator_for(json.dumps(fn.parameters or {}, sort_keys=True))
 
 
 def _no_constant(name: str) -> Any:

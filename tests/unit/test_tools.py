@@ -61,8 +61,46 @@ def test_no_tools_is_plain_chat() -> None:
 def test_tools_default_to_auto_without_a_grammar() -> None:
     plan = plan_tools(request(tools=[WEATHER, ADD]))
     assert plan.mode == "auto" and plan.constraint is None
-    assert plan.names == ("get_weather", "add")
+    assert plan.names == {"get_weather": None, "add": None}  # neither strict: no validator
     assert plan.template_tools() == [WEATHER, ADD]
+
+
+STRICT = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("answer", "calls"),
+    [
+        ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', 1),
+        ('{"name": "get_weather", "arguments": {"town": 5}}', 0),  # breaks the strict schema
+        ('[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]', 0),
+        ('Sure.\n{"name": "get_weather", "arguments": {"city": 5}}', 0),
+        ('[{"name": "add", "arguments": {"a": "any"}}]', 1),  # add is not strict
+    ],
+)
+async def test_under_auto_a_strict_functions_call_validates_or_is_content(answer: str, calls: int) -> None:
+    """OpenAI promises that a strict function's arguments follow its schema. The grammar
+    leaves ``auto`` free, so a call that breaks the schema is not passed on as a call."""
+    from gateway.sse_tools import tool_chat_response
+
+    whole = make_gen([answer], tools=[STRICT, ADD])
+    message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+    streamed = assemble(await stream_chunks(make_gen([answer], tools=[STRICT, ADD])))[0]
+    assert len(message.get("tool_calls") or []) == len(streamed["tool_calls"]) == calls
+    if not calls:
+        assert message["content"] == streamed["content"] == answer
 
 
 def test_tool_choice_none_renders_no_tools() -> None:
