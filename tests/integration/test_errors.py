@@ -24,11 +24,8 @@ def http(gateway: LiveGateway) -> httpx.Client:
         (b'{"messages": "hello"}', 400, "messages"),
         (b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "n": 100}', 400, "n"),
         (b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "top_p": -1}', 400, "top_p"),
-        (
-            b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
-            400,
-            "temperature",
-        ),
+        # NaN is not JSON: no param, as OpenAI answers a body it cannot parse
+        (b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None),
         (
             b'{"model": "base", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50}',
             400,
