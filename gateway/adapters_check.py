@@ -51,7 +51,7 @@ def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
         root = adapters_root.resolve()
         path = (root / raw).resolve()  # follows symlinks, so a link out of the root is caught
         is_dir = path.is_dir()
-    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop (3.11); a NUL byte
         raise ConfigError(f"adapter path {raw!r} cannot be resolved: {one_line(exc)}") from None
     if not path.is_relative_to(root):
         raise ConfigError(f"adapter path escapes the adapters root: {raw!r}")

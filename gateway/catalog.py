@@ -159,10 +159,21 @@ def load_table(
     # route's traffic to another adapter (and a broken entry keeps its name until fixed).
     # The base model's entry cannot be rejected alone: an alias of it that names a route
     # is the file's error (the last good table keeps serving).
+    # Aliases and tasks likewise belong to the first entry that lists them, rejected or not:
+    # a broken entry's alias or task does not pass to another adapter until it is fixed.
     owners: dict[str, int] = {}
+    alias_owners: dict[str, int] = {}
+    task_owners: dict[str, int] = {}
     for index, item in enumerate(spec.routes):
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("name"), str):
             owners.setdefault(item["name"], index)
+        for key, claimed in (("aliases", alias_owners), ("tasks", task_owners)):
+            if isinstance(item.get(key), list):
+                for value in item[key]:
+                    if isinstance(value, str):
+                        claimed.setdefault(value, index)
     if stolen := sorted(set(base.aliases) & owners.keys()):
         raise ConfigError(f"{catalog_path}: base.aliases: {', '.join(stolen)} is a route's name")
     if twice := _repeated([base.name, *base.aliases]):
@@ -177,11 +188,14 @@ def load_table(
             entry = RouteEntry.model_validate(item)
             clash = taken.intersection([entry.name, *entry.aliases])
             clash.update(a for a in [entry.name, *entry.aliases] if owners.get(a, index) != index)
+            clash.update(a for a in entry.aliases if alias_owners.get(a, index) != index)
             if clash:
                 raise ConfigError(f"name already used: {', '.join(sorted(clash))}")
             if twice := _repeated([entry.name, *entry.aliases]):  # one model card per name
                 raise ConfigError(f"aliases: {twice} is named twice")
-            if clash := taken_tasks.intersection(entry.tasks):  # one route per task, never a guess
+            clash = taken_tasks.intersection(entry.tasks)  # one route per task, never a guess
+            clash.update(t for t in entry.tasks if task_owners.get(t, index) != index)
+            if clash:
                 raise ConfigError(f"task already used: {', '.join(sorted(clash))}")
             route = _build_route(
                 entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids, catalog_path.parent
@@ -231,7 +245,12 @@ def _read_spec(catalog_path: Path) -> CatalogFile:
             raise ConfigError(
                 f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)"
             )
-        return CatalogFile.model_validate(yaml_file.load(text) or {})
+        data = yaml_file.load(text)
+        if not isinstance(data, dict):  # comments only, `---`, `null`, `[]`: a save half done
+            raise ConfigError(
+                f"{catalog_path}: the file holds no mapping (write `routes: []` for a catalog with no routes)"
+            )
+        return CatalogFile.model_validate(data)
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
 

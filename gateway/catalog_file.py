@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # How ``tool_choice: auto`` answers become tool calls (``gateway.tools``): ``json`` reads the
 # JSON calls that configs/templates/gemma-tools.jinja asks for; ``none`` keeps them as text.
@@ -20,6 +22,22 @@ ToolParser = Literal["json", "none"]
 # (``google/gemma-3-270m-it``).
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 Alias = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
+
+
+def _template(text: str) -> str:
+    """A route's chat template must be Jinja text that compiles (as transformers compiles
+    it): a syntax error would fail every request on the route, and text with no Jinja in it
+    (a path: vLLM's ``--chat-template`` takes one) would be the prompt whatever the messages."""
+    if "{{" not in text and "{%" not in text:
+        raise ValueError("chat_template must be the template's Jinja text (a path is not read)")
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not compile: line {exc.lineno}: {exc.message}") from None
+    return text
+
+
+ChatTemplate = Annotated[str, AfterValidator(_template)]
 
 
 class SamplingDefaults(BaseModel):
@@ -40,7 +58,7 @@ class RouteEntry(BaseModel):
     tasks: list[Name] = Field(default_factory=list)
     system_prompt: str | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
-    chat_template: str | None = None
+    chat_template: ChatTemplate | None = None
     tool_parser: ToolParser = "json"
     strict_base_model: bool = False  # a different base_model_name_or_path rejects, not warns
     pinned: bool = False  # kept resident in a GPU slot (vLLM pin_lora)

@@ -316,7 +316,7 @@ class ChatService:
             raise InvalidRequest(
                 f"route '{lease.route.name}' answers with a system prompt, which a completion's raw "
                 "prompt cannot carry; use /v1/chat/completions",
-                param="model",
+                param="model" if request.model else "task",  # the field that chose the route
             )
         prompts = [await self._completion_ids(p, request.add_special_tokens) for p in request.prompts]
         echo = None

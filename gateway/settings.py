@@ -434,6 +434,9 @@ def _check_top_level(path: Path) -> None:
             f"config: {path}: the file must be a mapping of sections (server:, engine:, ...), "
             f"not a {'list' if isinstance(data, list) else 'single value'}"
         )
+    for key in data or {}:
+        if not isinstance(key, str):  # `on:` is a boolean in YAML 1.1; pydantic-settings fails on it
+            raise ConfigError(f"config: {path}: section names must be strings, not {key!r}")
 
 
 def describe_validation_error(exc: ValidationError) -> str:

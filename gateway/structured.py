@@ -686,7 +686,7 @@ def schema_file_path(value: str, configs_dir: Path) -> Path:
     try:
         root = configs_dir.resolve()
         path = (root / _named(value)).resolve()
-    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop (3.11); a NUL byte
         raise ConfigError(f"response_format: {value}: {exc}") from None
     if not path.is_relative_to(root):
         raise ConfigError(f"response_format: {value} is outside {root}")

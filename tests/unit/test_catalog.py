@@ -623,3 +623,71 @@ async def test_a_pin_flipped_and_back_while_the_pinned_version_drains_is_that_ve
     assert await catalog.reload()
     again = catalog.table.resolve("shout").lora
     assert again is not None and again.lora_id > unpinned.lora_id
+
+
+NUL_ADAPTER = 'routes:\n  - {name: shout, adapter: "sh\\0out"}\n  - {name: json, adapter: json}\n'
+NUL_SCHEMA = 'routes:\n  - {name: shout, adapter: shout, response_format: "file:a\\0b"}\n  - {name: json, adapter: json}\n'
+
+
+@pytest.mark.parametrize("text", [NUL_ADAPTER, NUL_SCHEMA], ids=["adapter", "response_format"])
+def test_a_nul_byte_in_a_path_rejects_that_entry_only(tmp_path: Path, root: Path, text: str) -> None:
+    # Path.resolve raises ValueError ("embedded null byte"): it failed the whole load (a 500
+    # on /admin/adapters/reload) and, through the engine's sizing, the start with a traceback.
+    table = table_for(tmp_path, root, text)
+    assert "cannot be resolved" in table.errors["shout"] or "null byte" in table.errors["shout"]
+    assert set(table.routes) == {"json"}
+    assert catalog_module.adapter_dirs(write_catalog(tmp_path, NUL_ADAPTER), root) == [
+        (root / "json").resolve()
+    ]
+
+
+@pytest.mark.parametrize("text", ["# being edited\n", "---\n", "null\n", "false\n", "[]\n", "0\n"])
+def test_a_catalog_file_without_a_mapping_is_an_error_not_no_routes(
+    tmp_path: Path, root: Path, text: str
+) -> None:
+    """A save half done (the shipped catalog opens with comments) must not drop every route:
+    the last good table keeps serving. ``routes: []`` says "no routes"."""
+    with pytest.raises(ConfigError, match="holds no mapping"):
+        table_for(tmp_path, root, text)
+    assert table_for(tmp_path, root, "routes: []\n").routes == {}
+
+
+def test_a_broken_entrys_aliases_and_tasks_stay_its_own(tmp_path: Path, root: Path) -> None:
+    """As its name does: a later entry that lists them stays rejected, so traffic for them
+    never moves to another adapter while the first entry is broken (a deploy mid-way)."""
+    clash = (
+        "routes:\n"
+        "  - {name: shout, adapter: %s, aliases: [loud], tasks: [shouting]}\n"
+        "  - {name: json, adapter: json, aliases: [loud], tasks: [shouting]}\n"
+        "  - {name: other, adapter: json, tasks: [shouting]}\n"
+    )
+    before = table_for(tmp_path, root, clash % "shout")
+    assert before.resolve("loud").name == before.resolve(None, "shouting").name == "shout"
+    assert set(before.errors) == {"json", "other"}
+    after = table_for(tmp_path, root, clash % "missing")  # shout's folder gone
+    assert set(after.errors) == {"shout", "json", "other"}
+    assert "name already used: loud" in after.errors["json"]
+    assert "task already used: shouting" in after.errors["other"]
+    for model, task in (("loud", None), (None, "shouting")):
+        with pytest.raises(ModelNotFound):
+            after.resolve(model, task)
+
+
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [
+        ("{% if %}broken", "chat_template does not compile: line 1"),
+        ("configs/templates/gemma.jinja", "the template's Jinja text (a path is not read)"),
+    ],
+)
+def test_a_chat_template_that_cannot_render_the_messages_rejects_its_entry(
+    tmp_path: Path, root: Path, template: str, why: str
+) -> None:
+    """A syntax error failed every request on the route with a 400 blaming the client; a
+    path was rendered as the prompt itself, the messages dropped."""
+    good = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    text = (
+        f"routes:\n  - {{name: t, chat_template: {template!r}}}\n  - {{name: ok, chat_template: {good!r}}}\n"
+    )
+    table = table_for(tmp_path, root, text)
+    assert why in table.errors["t"] and set(table.routes) == {"ok"}

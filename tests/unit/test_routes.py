@@ -315,10 +315,13 @@ async def test_a_completion_on_a_route_with_a_system_prompt_is_refused_not_strip
     """A completion's raw prompt has no system turn: the preset's prompt was silently left out
     and the base model answered as if no route had been asked for."""
     served = await serve()
-    for body in (completion_body("concise", "hi"), {"prompt": "hi", "task": "summary", "stream": True}):
+    for body, param in (
+        (completion_body("concise", "hi"), "model"),
+        ({"prompt": "hi", "task": "summary", "stream": True}, "task"),  # the field that chose it
+    ):
         r = await served.http.post("/v1/completions", json=body)
         err = assert_openai_error(r, 400)
-        assert err["param"] == "model" and "/v1/chat/completions" in err["message"]
+        assert err["param"] == param and "/v1/chat/completions" in err["message"]
     assert served.engine.calls == []
     chat = await served.http.post("/v1/chat/completions", json=chat_body("concise", max_tokens=2))
     assert chat.status_code == 200 and chat.json()["model"] == "concise"

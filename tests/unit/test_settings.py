@@ -269,6 +269,16 @@ def test_a_config_file_that_is_not_a_mapping_is_one_line(
     )
 
 
+@pytest.mark.parametrize("text", ["8000: port\n", "on: true\n", "null: 1\n"])
+def test_a_section_name_that_is_not_a_string_is_one_line(
+    env: pytest.MonkeyPatch, tmp_path: Path, text: str
+) -> None:
+    bad = tmp_path / "bad.yaml"  # `on:` is a boolean in YAML 1.1
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match="section names must be strings"):  # was an AttributeError
+        load_settings({"config": str(bad)})
+
+
 def test_a_config_path_that_is_a_directory_says_so(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"^config: not a file: {tmp_path}$"):
         load_settings({"config": str(tmp_path)})
