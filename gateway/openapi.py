@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway import __version__
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, null_default_fields
 from gateway.responses_api import ResponsesRequest
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 
@@ -335,6 +335,12 @@ def _request_schemas(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     schemas: dict[str, Any] = top.get("$defs", {})
     for name, fields in _TAKES_EXTRAS.items():
         schemas[name]["properties"].update({f: _EXTRA_FIELDS[f] for f in fields})
+    for model in models:  # null is taken as the default there: the document must take it too
+        properties = schemas[model.__name__]["properties"]
+        for field in null_default_fields(model):
+            prop = properties[model.model_fields[field].alias or field]
+            if not any(option.get("type") == "null" for option in prop.get("anyOf", ())):
+                properties[model.model_fields[field].alias or field] = {"anyOf": [prop, {"type": "null"}]}
     return schemas
 
 

@@ -121,8 +121,21 @@ VLLM_DEFAULT_ONLY: dict[str, object] = {"skip_special_tokens": True, "spaces_bet
 
 def null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
     """A ``field_validator(mode="before")``: null for a field the SDKs type ``Optional``
-    (``n``, ``stream``, ...) means its default, as in vLLM."""
-    return cls.model_fields[info.field_name or ""].default if value is None else value
+    (``n``, ``stream``, ...) means its default, as in vLLM. ``/openapi.json`` shows these
+    fields as nullable."""
+    if value is None:
+        return cls.model_fields[info.field_name or ""].get_default(call_default_factory=True)
+    return value
+
+
+def null_default_fields(model: type[BaseModel]) -> set[str]:
+    """The fields of ``model`` for which ``null_is_default`` takes null."""
+    return {
+        name
+        for validator in model.__pydantic_decorators__.field_validators.values()
+        if getattr(validator.func, "__func__", validator.func) is null_is_default
+        for name in validator.info.fields
+    }
 
 
 def _asks_nothing(value: Any) -> bool:

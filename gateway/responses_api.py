@@ -31,13 +31,12 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, null_is_default
 from gateway.structured import TEXT, check_schema
 from gateway.tools import UnansweredCall
 from gateway.types import Constraint
@@ -166,12 +165,7 @@ class ResponsesRequest(BaseModel):
             raise ValueError(_TOOL_CHOICE)
         return value
 
-    @field_validator("stream", "store", "text", mode="before")
-    @classmethod
-    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None:
-            return cls.model_fields[info.field_name or ""].get_default(call_default_factory=True)
-        return value
+    _nulls = field_validator("stream", "store", "text", mode="before")(null_is_default)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:

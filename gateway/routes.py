@@ -117,7 +117,9 @@ def _stream_format(request: Request, served: tuple[str, ...]) -> str:
 def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
     """The house stream carries one choice's text: a request for more is a 400, not dropped."""
     refused = None
-    if gen.sampling.n > 1:
+    if body.stream is False and "stream" in body.model_fields_set:  # as POST /chat refuses it
+        refused = ("X-Stream-Format: house streams; use /v1/chat/completions for one JSON answer", "stream")
+    elif gen.sampling.n > 1:
         refused = ("the house stream format carries one choice; use n=1", "n")
     elif gen.tools.mode != "none":
         refused = ("the house stream format carries no tool calls", "tools")

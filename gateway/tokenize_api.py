@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import Message, _Request
+from gateway.protocol import Message, _Request, null_is_default
 from gateway.responses import read_json
 from gateway.state import Gateway
 
@@ -32,6 +32,10 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+
+    _nulls = field_validator(  # null: the default, as vLLM takes it
+        "add_generation_prompt", "continue_final_message", "return_token_strs", mode="before"
+    )(null_is_default)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -77,6 +81,7 @@ async def tokenize(request: Request) -> Response:
     finally:
         lease.release()
     result: dict[str, Any] = {"count": len(ids), "max_model_len": gw.engine.max_model_len, "tokens": ids}
+    result["token_strs"] = None  # as vLLM answers when they are not asked for
     if body.return_token_strs:  # 0.28 s for 520,000 ids (a 2 MB prompt): off the event loop
         result["token_strs"] = await gw.service.with_tokenizer(
             lambda tokenizer: tokenizer.convert_ids_to_tokens(ids), background=True

@@ -76,7 +76,8 @@ def test_request_bodies_are_the_models_and_errors_are_openai_shaped() -> None:
     assert {"messages", "tools", "tool_choice", "response_format", "structured_outputs"} <= set(
         request["properties"]
     )
-    assert request["properties"]["n"]["minimum"] == 1  # pydantic's constraints, as the handler applies them
+    n = request["properties"]["n"]  # pydantic's constraints, as the handler applies them; null is n=1
+    assert n == {"anyOf": [{"default": 1, "minimum": 1, "title": "N", "type": "integer"}, {"type": "null"}]}
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     error = document["components"]["schemas"]["Error"]["properties"]["error"]
     assert error["required"] == ["message", "type", "param", "code"]
@@ -85,6 +86,34 @@ def test_request_bodies_are_the_models_and_errors_are_openai_shaped() -> None:
     by_id = document["paths"]["/v1/responses/{response_id}"]
     assert set(by_id) == {"get", "delete"}
     assert by_id["get"]["parameters"][0]["in"] == "path"
+
+
+@pytest.mark.parametrize(
+    ("path", "schema", "body"),
+    [
+        ("/v1/completions", "CompletionRequest", {"prompt": "x", "max_tokens": 2}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/responses", "ResponsesRequest", {"input": "x"}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "x"}),
+    ],
+)
+async def test_the_document_takes_every_null_the_server_takes(
+    serve: Serve, path: str, schema: str, body: dict[str, Any]
+) -> None:
+    """A field whose null the handler reads as its default is nullable in the document: a
+    client generated from it, or a validating proxy, took a body the server takes."""
+    from gateway import openapi, protocol
+
+    served = await serve()
+    model = next(op.body for op in openapi.OPERATIONS.values() if op.body and op.body.__name__ == schema)
+    fields = protocol.null_default_fields(model)
+    assert fields  # each of these endpoints has some
+    components = build_document(ROUTES, PUBLIC_PATHS)["components"]
+    properties = components["schemas"][schema]["properties"]
+    for field in sorted(fields):
+        jsonschema.validate(None, {**properties[field], "components": components})  # its refs resolve
+        r = await served.http.post(path, json={"model": "fake-model", **body, field: None})
+        assert r.status_code == 200, (field, r.text)
 
 
 def test_security_is_a_key_except_on_public_paths() -> None:

@@ -294,9 +294,13 @@ async def test_house_stream_on_chat_and_on_chat_completions(serve: Serve) -> Non
         "/v1/chat/completions", json=chat_body("base", n=2), headers={"X-Stream-Format": "house"}
     )
     assert assert_openai_error(two, 400)["param"] == "n"
+    whole = await served.http.post(  # an explicit stream: false is refused, as on POST /chat
+        "/v1/chat/completions", json=chat_body("base", stream=False), headers={"X-Stream-Format": "house"}
+    )
+    assert assert_openai_error(whole, 400)["param"] == "stream"
     assert (
         served.gw.catalog is not None and served.gw.catalog.in_use() == {}
-    )  # the refused one let go of its route
+    )  # the refused ones let go of their route
 
 
 async def test_completion(serve: Serve) -> None:

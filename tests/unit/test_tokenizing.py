@@ -476,3 +476,12 @@ async def test_a_prompt_too_long_by_its_characters_is_refused_untokenized(serve:
     # /tokenize counts a text of any length (a client counts to know what to cut), as vLLM's.
     r = await served.http.post("/tokenize", json={"model": BASE, "prompt": huge})
     assert r.status_code == 200 and r.json()["count"] == 401
+
+
+async def test_tokenize_takes_nulls_and_answers_token_strs_as_vllm(serve: Serve) -> None:
+    served = await serve()
+    nulls = {"return_token_strs": None, "add_generation_prompt": None, "continue_final_message": None}
+    for body in ({"prompt": "ab"}, {"messages": [{"role": "user", "content": "ab"}]}):
+        r = await served.http.post("/tokenize", json={"model": BASE, **body, **nulls})
+        assert r.status_code == 200, r.text  # null is the default, as vLLM takes it
+        assert r.json()["token_strs"] is None  # not asked for: null, as vLLM answers
