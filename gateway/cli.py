@@ -62,9 +62,12 @@ def _settings_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    found: dict[str, Any] = {"config": args.config}
+    """The flags given (argparse leaves the others None), then each ``--set`` item, whose
+    null is a value: ``--set engine.max_model_len=null``."""
+    found: dict[str, Any] = {"config": args.config} if args.config is not None else {}
     for _, key, _, _ in _FLAGS:
-        found[key] = getattr(args, key)
+        if getattr(args, key) is not None:
+            found[key] = getattr(args, key)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -80,6 +83,8 @@ def _yaml_value(key: str, value: str) -> Any:
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or "unreadable"
         raise ConfigError(f"--set {key}: the value is not valid YAML ({problem})") from None
+    except ValueError as exc:  # a tag's value it cannot build: !!int x, a date 2024-02-30
+        raise ConfigError(f"--set {key}: the value is not valid YAML ({exc})") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,7 +344,9 @@ def _error_message(response: Any) -> str:
         data = response.json()
     except ValueError:
         data = None
-    return _message(data, response.text[:200])
+    return _message(
+        data, response.text[:200] or f"{response.reason_phrase or 'no reason given'} (empty body)"
+    )
 
 
 def _message(data: Any, fallback: str) -> str:
@@ -374,13 +381,16 @@ _LISTED = 10  # routes named in the hint above
 
 
 def _ask() -> str | None:
-    try:
-        text = input("> ").strip()
-    except EOFError:
-        return None
-    except UnicodeDecodeError:
-        raise _BadInput("the input is not valid UTF-8") from None
-    return text or _ask()
+    """The next question; blank lines are skipped (a loop: a long run of them is no recursion)."""
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:
+            return None
+        except UnicodeDecodeError:
+            raise _BadInput("the input is not valid UTF-8") from None
+        if text:
+            return text
 
 
 def _check_utf8(text: str) -> None:

@@ -129,7 +129,7 @@ class AccessLogMiddleware:
             if record.status == 0:  # nothing was sent: the client left, or we failed
                 record.status = 499 if record.disconnected else 500
             access_log.info(json.dumps(record.log_fields(), ensure_ascii=False))
-            if scope["path"] in INFERENCE_PATHS:
+            if scope["path"] in INFERENCE_PATHS and scope["method"] != "OPTIONS":  # not a CORS preflight
                 self.metrics.observe(record)
 
 

@@ -79,7 +79,9 @@ async def chat_completions(request: Request) -> Response:
     gw = _gateway(request)
     house = _stream_format(request, ("openai", "house")) == "house"
     body = await read_json(request, ChatCompletionRequest, gw.settings.limits)
-    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.chat(body, lease))
+    gen = await _generate(
+        request, body.model, body.task, lambda lease: gw.service.chat(body, lease), body.stream or house
+    )
     if house:
         _house_can_carry(body, gen)
 
@@ -136,7 +138,9 @@ async def completions(request: Request) -> Response:
     gw = _gateway(request)
     _stream_format(request, ("openai",))
     body = await read_json(request, CompletionRequest, gw.settings.limits)
-    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.complete(body, lease))
+    gen = await _generate(
+        request, body.model, body.task, lambda lease: gw.service.complete(body, lease), body.stream
+    )
     if body.stream:
         return _stream(request, gen, OpenAICompletionEncoder(gen, body.include_usage), lambda: body.prompt)
     return await _whole(request, gen, completion_response, lambda: body.prompt)
@@ -146,7 +150,7 @@ async def house_chat(request: Request) -> Response:
     gw = _gateway(request)
     _stream_format(request, ("house",))
     body = await read_json(request, HouseChatRequest, gw.settings.limits, any_type=True)
-    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease))
+    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease), True)
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
 
 
@@ -165,7 +169,7 @@ async def create_response(request: Request) -> Response:
     )
     try:
         gen = await _generate(
-            request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit)
+            request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit), body.stream
         )
     except InvalidRequest as exc:
         raise rename_param(exc) from None
@@ -273,17 +277,22 @@ def require_model(model: str | None, task: str | None) -> None:
 
 
 async def _generate(
-    request: Request, model: str | None, task: str | None, start: Callable[[Lease], Awaitable[Generation]]
+    request: Request,
+    model: str | None,
+    task: str | None,
+    start: Callable[[Lease], Awaitable[Generation]],
+    stream: bool,
 ) -> Generation:
     """Route the request (a lease on the route's current version) and start it; the lease
-    is released if the start fails."""
+    is released if the start fails. ``stream``: whether it asked for a stream (its label in
+    the metrics, a refusal's too)."""
     if request.scope["path"].startswith("/v1/"):
         require_model(model, task)
     principal = _principal(request)
     lease = _gateway(request).lease(principal, model, task)
     record: RequestRecord | None = request.scope.get("state", {}).get("record")
     if record is not None:  # a request refused from here on (400) counts under its route
-        record.route, record.digest = lease.route.name, lease.route.digest
+        record.route, record.digest, record.stream = lease.route.name, lease.route.digest, stream
     try:
         gen = await start(lease)
     except BaseException:

@@ -367,18 +367,29 @@ def _deep_set(target: dict[str, Any], dotted: str, value: Any) -> None:
         target = target.setdefault(part, {})
         if not isinstance(target, dict):  # e.g. --max-num-seqs 4 --set engine.max_num_seqs.x=1
             raise ConfigError(f"{dotted}: {'.'.join(parents[:depth])} is a value, not a section")
+    if isinstance(value, dict) and isinstance(target.get(leaf), dict):  # a section given whole
+        _merge(target[leaf], value)  # keeps what the flags set in it, as the file's is kept
+        return
     target[leaf] = value
 
 
+def _merge(target: dict[str, Any], more: dict[Any, Any]) -> None:
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
 def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
-    """Build settings; ``overrides`` are dotted keys from the CLI (``engine.dtype``).
+    """Build settings; ``overrides`` are dotted keys from the CLI (``engine.dtype``), each
+    applied, null included (``--set engine.max_model_len=null``: the model's whole context).
 
     Raises ``ConfigError`` with one line naming the field when anything is invalid.
     """
     init: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
-        if value is not None:
-            _deep_set(init, key, value)
+        _deep_set(init, key, value)
     config = init.get("config") or os.environ.get("GATEWAY_CONFIG")
     path = Path(config) if config else DEFAULT_CONFIG
     if config and not path.is_file():

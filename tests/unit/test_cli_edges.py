@@ -1,0 +1,134 @@
+"""The command line and the metrics at their edges: what a review found (each failed before).
+
+``--set`` nulls, sections and values YAML cannot build; the chat client on blank lines and
+empty error bodies; CORS preflights and refused streams in the request metrics."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway import cli
+from gateway.cli import _overrides, build_parser
+from gateway.settings import GatewaySettings, load_settings
+from tests.unit.conftest import ADMIN, Serve
+
+REAL_CLIENT = httpx.Client
+
+
+def _samples(text: str, name: str) -> list[Any]:
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+
+
+def _settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> GatewaySettings:
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    config = tmp_path / "gateway.yaml"
+    if not config.exists():
+        config.write_text("engine:\n  max_model_len: 2048\n")
+    return load_settings(_overrides(build_parser().parse_args(["serve", "--config", str(config), *argv])))
+
+
+# -- CORS preflights are not inference requests ---------------------------------------
+async def test_cors_preflight_is_not_counted_as_an_inference_request(serve: Serve) -> None:
+    served = await serve()
+    preflight = {
+        "Origin": "http://app.example.com",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    r = await served.http.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200  # answered by the CORS middleware; no engine work, no route
+    text = (await served.http.get("/metrics", headers=ADMIN)).text
+    requests = _samples(text, "gateway_requests_total")
+    durations = _samples(text, "gateway_request_duration_seconds_count")
+    # A browser's preflight is not a chat completion: nothing should be counted, let alone a
+    # "200" success with an end-to-end latency under route="unknown".
+    assert requests == [], requests
+    assert durations == [], durations
+
+
+# -- --set: null is a value, sections merge, bad YAML is one line ---------------------
+def test_set_null_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # configs/gateway.yaml ships max_model_len: 2048; null means "the model's own context".
+    settings = _settings(tmp_path, monkeypatch, "--set", "engine.max_model_len=null")
+    assert settings.engine.max_model_len is None  # was 2048: the override ignored
+
+
+def test_set_empty_value_is_not_silently_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "value as YAML": an empty value is YAML null too; it must apply (or be refused), not vanish.
+    settings = _settings(tmp_path, monkeypatch, "--set", "engine.seed=")
+    assert settings.engine.seed is None  # was 0
+
+
+def test_set_section_keeps_explicit_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = _settings(tmp_path, monkeypatch, "--set", "engine={dtype: float32}", "--max-num-seqs", "4")
+    assert settings.engine.dtype == "float32"
+    assert settings.engine.max_num_seqs == 4  # was 16: the flag thrown away
+
+
+@pytest.mark.parametrize("item", ["engine.served_model_name=2024-02-30", "engine.seed=!!int x"])
+def test_set_value_yaml_cannot_construct_is_one_line(
+    item: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    (tmp_path / "c.yaml").write_text("routes: []\n")
+    rc = cli.main(["adapters", "list", "--catalog", str(tmp_path / "c.yaml"), "--set", item])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+# -- the chat client ---------------------------------------------------------------
+def test_chat_many_blank_lines_do_not_crash(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "kind": "base"}]})
+        return httpx.Response(
+            200,
+            headers={"x-adapter": "base", "content-type": "text/event-stream"},
+            content=b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n',
+        )
+
+    monkeypatch.setattr(
+        httpx, "Client", lambda **kw: REAL_CLIENT(transport=httpx.MockTransport(handler), **kw)
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n" * 5000 + "hi\n"))  # e.g. a pasted/piped file
+    assert cli.main(["chat"]) == 0  # was a RecursionError
+
+
+def test_chat_error_with_empty_body_says_something(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "kind": "base"}]})
+        return httpx.Response(503, content=b"")  # e.g. a load balancer with no healthy backend
+
+    monkeypatch.setattr(
+        httpx, "Client", lambda **kw: REAL_CLIENT(transport=httpx.MockTransport(handler), **kw)
+    )
+    assert cli.main(["chat", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err != "error 503:", "the user is shown a status and an empty message"
+
+
+# -- a refused stream is counted as a stream -----------------------------------------
+async def test_refused_streaming_request_is_labelled_stream_true(serve: Serve) -> None:
+    served = await serve()
+    body = {"model": "shout", "stream": True, "n": 999, "messages": [{"role": "user", "content": "hi"}]}
+    r = await served.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    text = (await served.http.get("/metrics", headers=ADMIN)).text
+    [sample] = _samples(text, "gateway_requests_total")
+    assert sample.labels["route"] == "shout" and sample.labels["status"] == "400"
+    assert sample.labels["stream"] == "true", sample.labels  # the client asked for a stream
