@@ -284,7 +284,7 @@ _RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
         count={"type": "integer"},
         max_model_len={"type": "integer"},
         tokens={"type": "array", "items": {"type": "integer"}},
-        token_strs={"type": "array", "items": _STRING},
+        token_strs={"anyOf": [{"type": "array", "items": _STRING}, {"type": "null"}]},  # null: not asked
     ),
     "DetokenizeResponse": _obj(("prompt",), prompt=_STRING),
     "Status": _obj(("status",), status=_STRING),
