@@ -26,7 +26,7 @@ import json
 import re
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -118,13 +118,14 @@ class ToolPlan:
     named: str | None = None  # the function forced by a named tool_choice
     constraint: Constraint | None = None
     parallel: bool = True  # False: one call at most
+    # Each offered function's name, with a validator of its arguments where it is ``strict``:
+    # an ``auto`` answer's call to it is a call only if its arguments validate (OpenAI's
+    # promise for strict functions; the grammar leaves ``auto`` free). Made once: a stream
+    # reads it at every step.
+    names: dict[str, jsonschema.protocols.Validator | None] = field(init=False, compare=False, repr=False)
 
-    @property
-    def names(self) -> dict[str, jsonschema.protocols.Validator | None]:
-        """Each offered function's name, with a validator of its arguments where it is
-        ``strict``: an ``auto`` answer's call to it is a call only if its arguments validate
-        (OpenAI's promise for strict functions; the grammar leaves ``auto`` free)."""
-        return {t.name: _strict_validator(t) for t in self.tools}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", {t.name: _strict_validator(t) for t in self.tools})
 
     @property
     def first_name(self) -> str | None:
