@@ -107,9 +107,13 @@ def module_key(path: str) -> str:
     return ".".join(parts)
 
 
-def weights_file(path: Path) -> Path | None:
-    """The adapter's weights file vLLM loads, or None when it has none."""
-    return next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+def weights_file(path: Path, label: str) -> Path:
+    """The adapter's weights file vLLM loads; ``ConfigError`` (naming ``label``) when it has
+    none."""
+    found = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    if found is None:
+        raise ConfigError(f"{label}: missing adapter_model.safetensors (or adapter_model.bin)")
+    return found
 
 
 def tensor_shapes(file: Path, label: str | None = None) -> dict[str, list[int]]:
@@ -202,9 +206,7 @@ def check_adapter(
     name = label or path.name
     if not (path / "adapter_config.json").is_file():
         raise ConfigError(f"{name}: missing adapter_config.json")
-    weights = weights_file(path)
-    if weights is None:
-        raise ConfigError(f"{name}: missing adapter_model.safetensors (or adapter_model.bin)")
+    weights = weights_file(path, name)
     try:
         config = json.loads((path / "adapter_config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -321,10 +323,7 @@ _DIGESTS_KEPT = 4096
 def adapter_digest(path: Path) -> str:
     """The adapter's content digest. A file removed or replaced since it was checked is the
     entry's ``ConfigError``, not the whole catalog's failure."""
-    weights = weights_file(path)
-    if weights is None:
-        raise ConfigError(f"{path.name}: missing adapter_model.safetensors (or adapter_model.bin)")
-    digested = ("adapter_config.json", weights.name)
+    digested = ("adapter_config.json", weights_file(path, path.name).name)
     stats = []
     for name in digested:
         try:

@@ -146,6 +146,7 @@ class Generation:
         self._more_prompts = list(more_prompts)
         self._echo = echo
         self._copies = copies
+        self._per_stream = sampling.n // copies  # choices per engine stream
         streams = (1 + len(more_prompts)) * copies
         self._request_ids = [self.id] if streams == 1 else [f"{self.id}-{k}" for k in range(streams)]
 
@@ -160,7 +161,7 @@ class Generation:
         # With several engine streams their steps interleave, and a gap between two streams'
         # steps is no stream's inter-token latency: each stream's last step, by stream.
         lasts: dict[int, float] | None = {} if len(self._request_ids) > 1 else None
-        n = self.sampling.n // self._copies  # choices per engine stream
+        n = self._per_stream
         ticket: Ticket | None = None
         source: AsyncIterator[StepOutput] | None = None
         try:
@@ -226,7 +227,7 @@ class Generation:
             p = k // self._copies
             stream = self._engine.generate(prompts[p], self._params, request_id, self.lora, priority)
             streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
-        return streams[0] if len(streams) == 1 else merge_steps(streams, self.sampling.n // self._copies)
+        return streams[0] if len(streams) == 1 else merge_steps(streams, self._per_stream)
 
     def close(self) -> None:
         """Release a generation that was never iterated. Once ``steps`` has run, its own end

@@ -81,7 +81,7 @@ async def tokenize(request: Request) -> Response:
     finally:
         lease.release()
     result: dict[str, Any] = {"count": len(ids), "max_model_len": gw.engine.max_model_len, "tokens": ids}
-    result["token_strs"] = None  # as vLLM answers when they are not asked for
+    result["token_strs"] = None  # unless asked for: null, as vLLM answers
     if body.return_token_strs:  # 0.28 s for 520,000 ids (a 2 MB prompt): off the event loop
         result["token_strs"] = await gw.service.with_tokenizer(
             lambda tokenizer: tokenizer.convert_ids_to_tokens(ids), background=True

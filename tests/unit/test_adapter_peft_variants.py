@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from gateway import adapters_check
 from gateway.adapters_check import ModelShapes, adapter_digest, check_adapter, local_model_dir, model_shapes
-from gateway.catalog import Catalog, LoraIds, load_table
+from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.errors import ConfigError
 
 H, INTER, VOCAB, KV = 32, 48, 64, 16
@@ -71,6 +71,22 @@ Q = {
     LAYER + "self_attn.q_proj.lora_A.weight": zeros(8, H),
     LAYER + "self_attn.q_proj.lora_B.weight": zeros(H, 8),
 }
+
+
+def beside_a_good_one(tmp_path: Path, bad: str, model: ModelShapes | None) -> RoutingTable:
+    """The table of a catalog with route ``bad`` on the adapter folder ``bad`` and a route
+    ``good`` on a valid adapter."""
+    adapter(tmp_path, Q, name="good")
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(f"routes:\n  - {{name: bad, adapter: {bad}}}\n  - {{name: good, adapter: good}}\n")
+    return load_table(
+        catalog,
+        base_name="llama",
+        adapters_root=tmp_path / "adapters",
+        max_lora_rank=16,
+        model_modules=model,
+        lora_ids=LoraIds(),
+    )
 
 
 @pytest.fixture
@@ -168,17 +184,7 @@ def test_a_malformed_config_rejects_its_entry_only(
     tmp_path: Path, model: ModelShapes, config: dict[str, Any], why: str
 ) -> None:
     adapter(tmp_path, Q, name="bad", **config)
-    adapter(tmp_path, Q, name="good")
-    catalog = tmp_path / "adapters.yaml"
-    catalog.write_text("routes:\n  - {name: bad, adapter: bad}\n  - {name: good, adapter: good}\n")
-    table = load_table(
-        catalog,
-        base_name="llama",
-        adapters_root=tmp_path / "adapters",
-        max_lora_rank=16,
-        model_modules=model,
-        lora_ids=LoraIds(),
-    )
+    table = beside_a_good_one(tmp_path, "bad", model)
     assert set(table.routes) == {"good"}
     assert "adapter_config.json is invalid" in table.errors["bad"] and why in table.errors["bad"]
 
@@ -265,17 +271,7 @@ def test_an_unreadable_bin_rejects_its_entry_only(tmp_path: Path, content: bytes
         target.write_bytes(content)
     with pytest.raises(ConfigError, match=why):
         check_adapter(path, 16, "llama", None)
-    adapter(tmp_path, Q, name="good")
-    catalog = tmp_path / "adapters.yaml"
-    catalog.write_text("routes:\n  - {name: bad, adapter: a}\n  - {name: good, adapter: good}\n")
-    table = load_table(
-        catalog,
-        base_name="llama",
-        adapters_root=tmp_path / "adapters",
-        max_lora_rank=16,
-        model_modules=None,
-        lora_ids=LoraIds(),
-    )
+    table = beside_a_good_one(tmp_path, "a", None)
     assert set(table.routes) == {"good"} and why in table.errors["bad"]
 
 

@@ -87,21 +87,23 @@ def test_set_value_yaml_cannot_construct_is_one_line(
 
 
 # -- the chat client ---------------------------------------------------------------
-def test_chat_many_blank_lines_do_not_crash(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _chat_server(monkeypatch: pytest.MonkeyPatch, answer: httpx.Response) -> None:
+    """``gateway chat`` talks to a server listing the base model and giving ``answer``."""
+
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "kind": "base"}]})
-        return httpx.Response(
-            200,
-            headers={"x-adapter": "base", "content-type": "text/event-stream"},
-            content=b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n',
-        )
+        return answer
 
     monkeypatch.setattr(
         httpx, "Client", lambda **kw: REAL_CLIENT(transport=httpx.MockTransport(handler), **kw)
     )
+
+
+def test_chat_many_blank_lines_do_not_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\ndata: [DONE]\n\n'
+    headers = {"x-adapter": "base", "content-type": "text/event-stream"}
+    _chat_server(monkeypatch, httpx.Response(200, headers=headers, content=stream))
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n" * 5000 + "hi\n"))  # e.g. a pasted/piped file
     assert cli.main(["chat"]) == 0  # was a RecursionError
 
@@ -109,17 +111,11 @@ def test_chat_many_blank_lines_do_not_crash(
 def test_chat_error_with_empty_body_says_something(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "kind": "base"}]})
-        return httpx.Response(503, content=b"")  # e.g. a load balancer with no healthy backend
-
-    monkeypatch.setattr(
-        httpx, "Client", lambda **kw: REAL_CLIENT(transport=httpx.MockTransport(handler), **kw)
-    )
+    _chat_server(monkeypatch, httpx.Response(503, content=b""))  # a load balancer with no backend
     assert cli.main(["chat", "hi"]) == 1
     err = capsys.readouterr().err.strip()
     assert err != "error 503:", "the user is shown a status and an empty message"
+    assert "Service Unavailable (empty body)" in err
 
 
 # -- a refused stream is counted as a stream -----------------------------------------
