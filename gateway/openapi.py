@@ -20,7 +20,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_origin
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -335,13 +335,29 @@ def _request_schemas(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     schemas: dict[str, Any] = top.get("$defs", {})
     for name, fields in _TAKES_EXTRAS.items():
         schemas[name]["properties"].update({f: _EXTRA_FIELDS[f] for f in fields})
-    for model in models:  # null is taken as the default there: the document must take it too
+    for model in _with_nested(models):  # null is taken as the default there: the document too
         properties = schemas[model.__name__]["properties"]
         for field in null_default_fields(model):
-            prop = properties[model.model_fields[field].alias or field]
-            if not any(option.get("type") == "null" for option in prop.get("anyOf", ())):
-                properties[model.model_fields[field].alias or field] = {"anyOf": [prop, {"type": "null"}]}
+            key = model.model_fields[field].alias or field
+            if not any(option.get("type") == "null" for option in properties[key].get("anyOf", ())):
+                properties[key] = {"anyOf": [properties[key], {"type": "null"}]}
     return schemas
+
+
+def _with_nested(models: Sequence[type[BaseModel]]) -> list[type[BaseModel]]:
+    """``models`` and the models their fields hold directly (``ResponsesRequest.text``)."""
+    found: dict[str, type[BaseModel]] = {}
+    stack = list(models)
+    while stack:
+        model = stack.pop()
+        if model.__name__ in found:
+            continue
+        found[model.__name__] = model
+        for field in model.model_fields.values():
+            kind = field.annotation
+            if get_origin(kind) is None and isinstance(kind, type) and issubclass(kind, BaseModel):
+                stack.append(kind)
+    return list(found.values())
 
 
 def _content(media: dict[str, str]) -> dict[str, Any]:

@@ -117,10 +117,7 @@ class TextConfig(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
     verbosity: Literal["medium"] | None = None  # low/high would change the answer
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _null_is_text(cls, value: Any) -> Any:
-        return {} if value is None else value  # as left out: plain text unless the route says
+    _nulls = field_validator("format", mode="before")(null_is_default)  # as left out
 
 
 class ResponsesRequest(BaseModel):
