@@ -255,7 +255,10 @@ _RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
         output={"type": "array", "items": _OBJECT},
     ),
     "DeletedResponse": _obj(
-        ("id", "object", "deleted"), id=_STRING, object=_const("response"), deleted={"type": "boolean"}
+        ("id", "object", "deleted"),
+        id=_STRING,
+        object=_const("response.deleted"),
+        deleted={"type": "boolean"},
     ),
     "ResponseItemList": _obj(
         ("object", "data", "first_id", "last_id", "has_more"),

@@ -226,7 +226,7 @@ async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not await _gateway(request).responses.delete(_owner(request), response_id):
         raise NotFound(f"Response with id '{response_id[:80]}' not found.", param="response_id")
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 async def cancel_response(request: Request) -> Response:
