@@ -240,7 +240,7 @@ def _repeated(names: list[str]) -> str | None:
 def _read_spec(catalog_path: Path) -> CatalogFile:
     """The catalog file, validated against its schema; ``ConfigError`` if it cannot be."""
     try:
-        text = catalog_path.read_text()
+        text = catalog_path.read_text(encoding="utf-8")
         if not text.strip():  # an editor's save truncates first: never read that as "no routes"
             raise ConfigError(
                 f"{catalog_path}: the file is empty (write `routes: []` for a catalog with no routes)"
@@ -251,7 +251,7 @@ def _read_spec(catalog_path: Path) -> CatalogFile:
                 f"{catalog_path}: the file holds no mapping (write `routes: []` for a catalog with no routes)"
             )
         return CatalogFile.model_validate(data)
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # How ``tool_choice: auto`` answers become tool calls (``gateway.tools``): ``json`` reads the
@@ -25,15 +24,20 @@ Alias = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9
 
 
 def _template(text: str) -> str:
-    """A route's chat template must be Jinja text that compiles (as transformers compiles
-    it): a syntax error would fail every request on the route, and text with no Jinja in it
-    (a path: vLLM's ``--chat-template`` takes one) would be the prompt whatever the messages."""
+    """A route's chat template must be Jinja text that compiles as transformers compiles it
+    (its sandbox, its ``{% generation %}`` tag, filters resolved): an error there would fail
+    every request on the route, and text with no Jinja in it (a path: vLLM's
+    ``--chat-template`` takes one) would be the prompt whatever the messages."""
     if "{{" not in text and "{%" not in text:
         raise ValueError("chat_template must be the template's Jinja text (a path is not read)")
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # as vLLM renders
+
     try:
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not compile: line {exc.lineno}: {exc.message}") from None
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat_template does not compile: {exc}") from None
     return text
 
 

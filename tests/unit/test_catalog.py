@@ -678,6 +678,8 @@ def test_a_broken_entrys_aliases_and_tasks_stay_its_own(tmp_path: Path, root: Pa
     [
         ("{% if %}broken", "chat_template does not compile: line 1"),
         ("configs/templates/gemma.jinja", "the template's Jinja text (a path is not read)"),
+        # parse() alone took an unknown filter; transformers' compile (what renders) does not
+        ("{% for m in messages %}{{ m.content | trim_all }}{% endfor %}", "No filter named 'trim_all'"),
     ],
 )
 def test_a_chat_template_that_cannot_render_the_messages_rejects_its_entry(
@@ -691,3 +693,24 @@ def test_a_chat_template_that_cannot_render_the_messages_rejects_its_entry(
     )
     table = table_for(tmp_path, root, text)
     assert why in table.errors["t"] and set(table.routes) == {"ok"}
+
+
+def test_a_training_template_with_generation_blocks_is_accepted(tmp_path: Path, root: Path) -> None:
+    """TRL's assistant-only-loss templates mark the answer with transformers' own
+    ``{% generation %}`` tag; transformers renders them, so the entry stands."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.role }}: {{ m.content }}{% endif %}{% endfor %}"
+    )
+    table = table_for(tmp_path, root, f"routes:\n  - {{name: t, chat_template: {template!r}}}\n")
+    assert not table.errors and table.routes["t"].chat_template == template
+
+
+def test_a_catalog_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """Saved as latin-1 by an editor: a config error naming the file (it was a
+    UnicodeDecodeError: a 500 on reload, a traceback at start)."""
+    path = tmp_path / "adapters.yaml"
+    path.write_bytes("routes:\n  - {name: base, system_prompt: caf\u00e9}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="adapters.yaml: .*utf-8"):
+        catalog_module.check_file(path)
+    assert catalog_module.adapter_dirs(path, tmp_path) == []

@@ -436,11 +436,19 @@ async def test_body_too_large_is_413_when_streamed_without_a_length(serve: Serve
 
 
 # -- admin reload ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"routes: [this is not yaml\n",
+        "routes:\n  - {name: base, system_prompt: caf\u00e9}\n".encode("latin-1"),
+    ],
+    ids=["not-yaml", "not-utf8"],
+)
 async def test_reload_with_a_broken_catalog_is_422_and_the_last_good_table_serves(
-    serve: Serve, tmp_path: Path
+    serve: Serve, tmp_path: Path, content: bytes
 ) -> None:
     served = await serve()
-    (tmp_path / "adapters.yaml").write_text("routes: [this is not yaml\n")
+    (tmp_path / "adapters.yaml").write_bytes(content)
     r = await served.http.post("/admin/adapters/reload", headers=ADMIN)
     assert r.status_code == 422
     body = r.json()  # OpenAI's error object, so a client's error handling shows why, and the report
