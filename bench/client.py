@@ -163,8 +163,8 @@ async def _one_request(session: Any, url: str, job: Job, max_tokens: int, shape:
                 if not line.startswith(b"data: "):
                     continue
                 data = line[6:].strip()
-                if data == b"[DONE]":
-                    break
+                if data == b"[DONE]":  # read on to the body's end: the connection is then reused
+                    continue
                 now = time.perf_counter()
                 obj = loads(data)
                 choices = obj.get("choices")

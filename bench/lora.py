@@ -323,7 +323,9 @@ def lora_goals(
             )
         )
     cmax = max(result["meta"]["concurrencies"])
-    top4 = [r for r in rows if r["mix"] == "lora4" and r["concurrency"] == cmax and r.get("tok_ratio")]
+    top4 = [
+        r for r in rows if r["mix"] == "lora4" and r["concurrency"] == cmax and r.get("tok_ratio") is not None
+    ]
     if top4 and gpu:
         r = top4[0]
         itl = r.get("itl_p50_delta_ms")

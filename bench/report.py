@@ -49,6 +49,24 @@ def passes(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict
     return groups
 
 
+def matched(points: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The points of the passes both servers ran at their point, and the others' labels.
+    A pass one server lacks (``--budget-s`` ran out, or that pass failed) would leave the
+    other's pass unpaired: the ratio of means would then weigh the machine's drift on one
+    side only, so the comparison uses the pass numbers both have (all, if they share none)."""
+    kept: list[dict[str, Any]] = []
+    dropped: list[dict[str, Any]] = []
+    numbers: dict[tuple[str, str, int], set[Any]] = {}
+    for p in points:
+        numbers.setdefault((p["target"], p["mix"], p["concurrency"]), set()).add(p.get("pass", 1))
+    for p in points:
+        mine, other = p["target"], {"vllm": "gateway", "gateway": "vllm"}.get(p["target"])
+        theirs = numbers.get((other, p["mix"], p["concurrency"]), set()) if other else set()
+        common = theirs & numbers[(mine, p["mix"], p["concurrency"])]
+        (dropped if other and common and p.get("pass", 1) not in common else kept).append(p)
+    return kept, dropped
+
+
 def index(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
     """One point per (target, mix, concurrency). A target run in several passes (``--targets
     vllm,gateway,gateway,vllm``) gets the mean of its passes, so the server order evens out."""
@@ -101,9 +119,11 @@ def paired_ratio(
 
 
 def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Gateway against vLLM's server (and the ceiling) at each mix and concurrency."""
-    pts = index(result["points"])
-    groups = passes(result["points"])
+    """Gateway against vLLM's server (and the ceiling) at each mix and concurrency, over the
+    passes both servers ran (``matched``; a row's ``unpaired`` lists the passes left out)."""
+    points, dropped = matched(result["points"])
+    pts = index(points)
+    groups = passes(points)
     rows = []
     for mix in result["meta"]["mixes"]:
         for c in result["meta"]["concurrencies"]:
@@ -111,6 +131,8 @@ def compare(result: dict[str, Any]) -> list[dict[str, Any]]:
                 continue  # a mix run at some of the concurrencies only
             v, g, e = pts.get(("vllm", mix, c)), pts.get(("gateway", mix, c)), bound(pts, mix, c)
             row: dict[str, Any] = {"mix": mix, "concurrency": c}
+            if unpaired := [p for p in dropped if (p["mix"], p["concurrency"]) == (mix, c)]:
+                row["unpaired"] = [f"{p['target']} pass {p.get('pass', 1)}" for p in unpaired]
             if v and g:
                 row.update(
                     tok_ratio=g["out_tok_per_s"] / v["out_tok_per_s"] if v["out_tok_per_s"] else None,
@@ -162,6 +184,25 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
     gpu = result["meta"].get("gpu") is not None
     need = 1.0 if gpu else 0.97
     out: list[tuple[str, bool | None, str]] = []
+    # A failed request frees its client worker at once (closed loop), so a server that fails
+    # some can keep its tok/s, and its TTFT counts the answered only: no verdict stands on that.
+    # An invalid answer cut at max_tokens is the model's (dummy weights), any other the server's.
+    served = [p for p in result["points"] if p["target"] in ("vllm", "gateway")]
+    if served:
+        bad = [
+            f"{p['target']} {p['mix']} c={p['concurrency']} pass {p.get('pass', 1)}: "
+            f"{p.get('failed', 0):.0f} failed, {wrong:.0f} invalid"
+            for p in served
+            if p.get("failed") or (wrong := (p.get("invalid") or 0) - (p.get("invalid_at_length") or 0))
+        ]
+        out.append(
+            (
+                "every request answered at every point, and no invalid answer but those cut at max_tokens",
+                not bad,
+                "; ".join(bad[:6]) + (f" (+{len(bad) - 6} more)" if len(bad) > 6 else "")
+                or f"{len(served)} points",
+            )
+        )
     ratios = [(r["mix"], r["concurrency"], r["tok_ratio"]) for r in rows if r.get("tok_ratio") is not None]
     if ratios:
         worst = min(ratios, key=lambda t: t[2])
@@ -220,7 +261,7 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
                     f"worst {worst[1]:.3f} ({worst[0]})",
                 )
             )
-    out += lora_goals(result, rows, gpu)
+    out += lora_goals({**result, "points": matched(result["points"])[0]}, rows, gpu)
     rss = [
         r["rss_tree_delta_mb"]
         for r in rows
@@ -309,6 +350,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_f(r.get('front_cpu_us_delta'), '{:+.0f}')} | {_f(r.get('vllm_of_ceiling'), '{:.3f}')} | {_f(r.get('gateway_of_ceiling'), '{:.3f}')} | "
             f"{r.get('ceiling_target', '-')} |"
         )
+    if unpaired := [
+        f"{r['mix']} c={r['concurrency']}: {', '.join(r['unpaired'])}" for r in rows if r.get("unpaired")
+    ]:
+        lines += [
+            "",
+            "Left out of the comparison (the other server ran no such pass): " + "; ".join(unpaired),
+        ]
     servers = result.get("servers", {})
     if servers:
         lines += ["", "| target | startup s | RSS after warm-up MB (tree / front) |", "|---|---|---|"]
@@ -556,20 +604,23 @@ def write_reports(result: dict[str, Any], out_dir: Path, png: bool = True) -> No
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The passes of several runs as one run's: each later run's passes of a target are
-    numbered after the earlier runs' (points, and the per-pass server info)."""
+    """The passes of several runs as one run's: each later run's passes are numbered after
+    every pass of the earlier runs (points, and the per-pass server info), the same offset for
+    every target, so pass k of one server stays paired with pass k of the other of its run."""
     merged: dict[str, Any] = {**results[0], "points": [], "servers": {}, "notes": []}
-    seen: dict[str, int] = {}  # target -> passes so far
+    offset = 0  # the highest pass number of any target so far
     for i, r in enumerate(results):
-        offset = dict(seen)
+        top = offset
         for p in r["points"]:
-            n = p.get("pass", 1) + offset.get(p["target"], 0)
+            n = p.get("pass", 1) + offset
             merged["points"].append({**p, "pass": n})
-            seen[p["target"]] = max(seen.get(p["target"], 0), n)
+            top = max(top, n)
         for label, info in r.get("servers", {}).items():
             target, _, k = label.partition("-")
-            n = int(k or 1) + offset.get(target, 0)
+            n = int(k or 1) + offset
             merged["servers"][target if n == 1 else f"{target}-{n}"] = info
+            top = max(top, n)
+        offset = top
         merged["notes"] += [f"run {i + 1} ({r['meta'].get('date')}): {n}" for n in r.get("notes", [])]
     merged["notes"].append(f"merged from {len(results)} runs; meta (versions, gateway sha) of the first")
     merged.pop("comparison", None)

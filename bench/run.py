@@ -303,12 +303,14 @@ class Bench:
                 self.ready(server, target)
             for mix in self.mixes:
                 for c in self.plan[mix]:
+                    # The budget is judged once a point, before its first pass: all of its passes
+                    # run, or none (a pass cut off would leave the other server's unpaired).
+                    if self.past_budget():
+                        self.note(f"{mix} c={c} skipped: past --budget-s")
+                        continue
                     seen: dict[str, int] = {}
                     for target in order:
                         seen[target] = seen.get(target, 0) + 1
-                        if self.past_budget():
-                            self.note(f"{target} {mix} c={c} pass {seen[target]} skipped: past --budget-s")
-                            continue
                         self.point(servers[target], target, mix, c, seen[target])
         except Exception as exc:  # keep what was measured; say what failed
             self.note(f"together failed: {type(exc).__name__}: {str(exc)[:2000]}")

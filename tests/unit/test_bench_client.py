@@ -3,6 +3,7 @@ finished answer is checked, and where the invalid count lands (results and markd
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -214,3 +215,40 @@ def test_drive_times_either_delta_kind_and_checks_the_answer(
     assert results[0].completion_tokens == 12
     assert results[0].finish_reason == ("tool_calls" if shape == "tools" else "length")
     assert seen[0] == chat_body(Job("m", "hi"), 48, shape)
+
+
+def test_the_client_reuses_its_connections_between_requests() -> None:
+    """Leaving the stream at ``[DONE]``, before the chunked body's end, closed the connection:
+    each worker's next request opened a new one, and its TTFT included the connect."""
+    from aiohttp import web
+
+    from bench.client import drive, run_loop
+
+    peers: set[Any] = set()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(CONTENT_STREAM)
+        await asyncio.sleep(0.005)  # the body's end a moment after [DONE], as from a busy server
+        await response.write_eof()
+        return response
+
+    async def go() -> list[RequestResult]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            results, _ = await drive(f"http://127.0.0.1:{port}", [Job("m", "hi")] * 20, 2, 48)
+        finally:
+            await runner.cleanup()
+        return results
+
+    results = run_loop(go())
+    assert all(r.ok for r in results)
+    assert len(peers) == 2  # one connection per worker
