@@ -31,7 +31,7 @@ from typing import Any
 from gateway.engine_checks import RequestChecks
 from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest
 from gateway.settings import EngineSettings
-from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
+from gateway.types import Chunk, LoraSpec, ModelDefaults, SamplingSpec, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class EngineManager:
         self._tokenizer: Any = None
         self._lock = asyncio.Lock()
         self._max_model_len = 0
+        self._model_defaults = ModelDefaults()
         self._checks = RequestChecks()
         self.model_path: str | None = settings.model
         self.served_model_name: str = settings.served_model_name or ""
@@ -76,8 +77,12 @@ class EngineManager:
             if inspect.isawaitable(tokenizer):  # vllm 0.25 returns a coroutine
                 tokenizer = await tokenizer
             self._tokenizer = tokenizer
-            self._max_model_len = int(self._engine.vllm_config.model_config.max_model_len)
+            model_config = self._engine.vllm_config.model_config
+            self._max_model_len = int(model_config.max_model_len)
+            self._model_defaults = model_defaults(model_config.get_diff_sampling_param())
             log.info("engine ready: %s (max_model_len=%d)", self.served_model_name, self._max_model_len)
+            if self._model_defaults != ModelDefaults():
+                log.info("the model's sampling defaults (generation_config): %s", self._model_defaults)
 
     async def _create_engine_off_loop(self) -> Any:
         """Build the engine in a worker thread (a minute or more: weights, workers, warm-up),
@@ -175,6 +180,10 @@ class EngineManager:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def model_defaults(self) -> ModelDefaults:
+        return self._model_defaults
 
     def unfinished_requests(self) -> int | None:
         """Requests the engine still tracks (running or waiting); None if unknown."""
@@ -371,6 +380,28 @@ def one_grammar_backend(config: Any) -> Any:
     if getattr(config, "backend", None) == "auto":  # a StructuredOutputsConfig from Python
         config.backend = "xgrammar"
     return config
+
+
+_FLOAT_DEFAULTS = frozenset(
+    ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+)
+
+
+def model_defaults(diff: dict[str, Any]) -> ModelDefaults:
+    """vLLM's ``get_diff_sampling_param()`` (the model's generation_config with the engine's
+    overrides) as ``ModelDefaults``; a value of the wrong type is logged and left out."""
+    values: dict[str, Any] = {}
+    for name, value in diff.items():
+        if name not in ModelDefaults.__dataclass_fields__:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in _FLOAT_DEFAULTS and number:
+            values[name] = float(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            values[name] = value
+        else:
+            log.warning("the model's generation_config %s=%r is not a number: left out", name, value)
+    return ModelDefaults(**values)
 
 
 def _sampling_params(s: SamplingSpec) -> Any:

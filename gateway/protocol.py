@@ -165,7 +165,7 @@ class SamplingFields(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's: 0 or -1 disables it
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # vLLM's: 0 or -1 disables it; int64 (msgpack)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)

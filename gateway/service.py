@@ -51,13 +51,20 @@ from gateway.tools import (
     tool_template,
     uses_tools,
 )
-from gateway.types import Constraint, EngineBackend, LoraSpec, SamplingSpec, StepOutput, TokenLogprob
+from gateway.types import (
+    Constraint,
+    EngineBackend,
+    LoraSpec,
+    ModelDefaults,
+    SamplingSpec,
+    StepOutput,
+    TokenLogprob,
+)
 
 # Templating and tokenising a prompt takes milliseconds (2.4 ms for 512 tokens, measured
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
 # it runs in the tokenizing thread so the event loop keeps streaming other requests' tokens.
 _THREAD_TOKENIZE_CHARS = 256
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy sampling (vLLM's _SAMPLING_EPS)
 # Decoding is cheaper per token (1,000,000 ids: 0.33 s); below this many, on the loop.
 _THREAD_DECODE_IDS = 4096
 T = TypeVar("T")
@@ -496,12 +503,15 @@ class ChatService:
             limit_param,
         )
         constraint, constraint_param = shape
-        sampling = _sampling(request, lease.route.defaults, max_tokens, logprobs, constraint)
+        sampling = _sampling(
+            request, lease.route.defaults, self._engine.model_defaults, max_tokens, logprobs, constraint
+        )
         if echo is not None and logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=logprobs)
         # vLLM refuses n > 1 when greedy; OpenAI answers it: one engine request per choice
-        # (the prompt's KV blocks are shared through the prefix cache).
-        copies = sampling.n if sampling.n > 1 and sampling.temperature < GREEDY_BELOW else 1
+        # (the prompt's KV blocks are shared through the prefix cache). Only at 0: vLLM raises
+        # a temperature in (0, 0.01) to 0.01, which samples (choices seeded seed, seed + 1, ...).
+        copies = sampling.n if sampling.n > 1 and sampling.temperature == 0 else 1
         params = await self._prepare(replace(sampling, n=1) if copies > 1 else sampling, constraint_param)
         return Generation(
             self._engine,
@@ -546,7 +556,12 @@ class ChatService:
                 param=limit_param,
             )
         if max_tokens is None:
-            default = min(lease.route.defaults.max_tokens or self._limits.default_max_tokens, room)
+            default = min(
+                lease.route.defaults.max_tokens
+                or self._engine.model_defaults.max_tokens
+                or self._limits.default_max_tokens,
+                room,
+            )
             if min_tokens > room:
                 raise ContextLengthExceeded(
                     f"This model's maximum context length is {context} tokens. However, you requested "
@@ -578,26 +593,30 @@ class ChatService:
 def _sampling(
     request: SamplingFields,
     defaults: SamplingDefaults,
+    model: ModelDefaults,
     max_tokens: int,
     logprobs: int | None,
     constraint: Constraint | None,
 ) -> SamplingSpec:
-    """Request values, else the route's defaults, else the gateway's."""
+    """Request values, else the route's defaults, else the model's (its generation_config,
+    as vLLM's server applies them), else OpenAI's."""
     return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=_pick(request.temperature, defaults.temperature, 1.0),
-        top_p=_pick(request.top_p, defaults.top_p, 1.0),
-        top_k=max(request.top_k or 0, 0),  # -1, as 0, disables top-k (vLLM's convention)
+        temperature=_pick(request.temperature, defaults.temperature, model.temperature, 1.0),
+        top_p=_pick(request.top_p, defaults.top_p, model.top_p, 1.0),
+        top_k=max(int(_pick(request.top_k, model.top_k, 0)), 0),  # -1, as 0, disables top-k (vLLM's)
         n=request.n,
         stop=request.stop_list,
         seed=request.seed,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=_pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
+        presence_penalty=_pick(request.presence_penalty, model.presence_penalty, 0.0),
+        frequency_penalty=_pick(request.frequency_penalty, model.frequency_penalty, 0.0),
+        repetition_penalty=_pick(
+            request.repetition_penalty, defaults.repetition_penalty, model.repetition_penalty, 1.0
+        ),
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
-        min_p=request.min_p or 0.0,
+        min_p=_pick(request.min_p, model.min_p, 0.0),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),

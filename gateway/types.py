@@ -52,6 +52,22 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelDefaults:
+    """The model's own sampling defaults: its ``generation_config.json`` (or the engine's
+    ``override_generation_config``), as vLLM's server applies them to the fields a request
+    leaves out. None: the model says nothing (the OpenAI default holds)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None  # Hugging Face's max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class LoraSpec:
     name: str
     lora_id: int
@@ -104,6 +120,9 @@ class EngineBackend(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def model_defaults(self) -> ModelDefaults: ...
 
     @property
     def tokenizer(self) -> Tokenizer: ...

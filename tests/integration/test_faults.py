@@ -139,7 +139,8 @@ SMALL_BOUND = 4
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    # Also the one gateway of the suite that logs prompts (server.log_prompts; off by default).
+    # Also the one gateway of the suite that logs prompts (server.log_prompts; off by default),
+    # and whose model has sampling defaults (vLLM's --override-generation-config).
     gw = start_gateway(
         tmp_path_factory.mktemp("small"),
         *(
@@ -149,6 +150,8 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
             "limits.drain_timeout_s=60",
             "--set",
             "server.log_prompts=true",
+            "--set",
+            "engine.engine_args.override_generation_config={max_new_tokens: 3, top_k: 1}",
         ),
     )
     yield gw
@@ -179,6 +182,21 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
     # Refusals did not wait in a queue: every 429 came back before the first admitted answer.
     assert max(t for _, t, _ in refused[: 5 * SMALL_BOUND]) < min(t for _, t, _ in ok)
     still_serves(small)
+
+
+def test_the_models_sampling_defaults_fill_what_the_request_leaves_out(small: LiveGateway) -> None:
+    """As under ``vllm serve``: the model's generation config (here the engine's override:
+    ``max_new_tokens`` 3, ``top_k`` 1) for the fields a request leaves out."""
+    with small.client() as http:
+        body = chat_body("base", "Tell me a story.", ignore_eos=True, n=3, temperature=1.0, seed=5)
+        answer = http.post("/v1/chat/completions", json=body).json()
+        assert answer["usage"]["completion_tokens"] == 3 * 3
+        assert {c["finish_reason"] for c in answer["choices"]} == {"length"}
+        assert len({c["message"]["content"] for c in answer["choices"]}) == 1  # top_k 1: one token each step
+        unlimited = {**body, "max_tokens": 12, "top_k": 0}  # the request's own values win
+        answer = http.post("/v1/chat/completions", json=unlimited).json()
+        assert answer["usage"]["completion_tokens"] == 3 * 12
+        assert len({c["message"]["content"] for c in answer["choices"]}) > 1
 
 
 def test_prompts_are_logged_when_enabled(small: LiveGateway) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import EngineUnavailable
-from gateway.types import Chunk, LoraSpec, SamplingSpec, StepOutput
+from gateway.types import Chunk, LoraSpec, ModelDefaults, SamplingSpec, StepOutput
 
 if TYPE_CHECKING:
     from gateway.types import Engine
@@ -62,6 +62,7 @@ class FakeEngine:
         self.priorities: dict[str, int] = {}  # request id -> the priority it was generated with
         self.aborted: list[str] = []
         self._tokenizer = FakeTokenizer()
+        self.model_defaults = ModelDefaults()  # the model's generation_config says nothing
         self.model_path: str | None = None  # no model directory: adapters' target modules go unchecked
         self.served_model_name = served_model_name
         self.start_gate = start_gate

@@ -13,10 +13,16 @@ from typing import Any
 import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
-from gateway.engine import EngineManager, LoraSlotsReport, _sampling_params, one_grammar_backend
+from gateway.engine import (
+    EngineManager,
+    LoraSlotsReport,
+    _sampling_params,
+    model_defaults,
+    one_grammar_backend,
+)
 from gateway.errors import EngineFailed, InvalidRequest
 from gateway.settings import EngineSettings
-from gateway.types import Constraint, SamplingSpec
+from gateway.types import Constraint, ModelDefaults, SamplingSpec
 
 # vLLM imports parts of itself lazily (``_translate``, the grammar backend), and those pull in
 # torch.jit, which warns: under filterwarnings=error the import would fail, and ``prepare``
@@ -402,3 +408,39 @@ async def test_lora_slots_stop_asking_workers_that_cannot_say(caplog: pytest.Log
     manager = _manager_on(SimpleNamespace(errored=False, collective_rpc=refused))
     manager._slots_reported = True
     assert await manager.lora_slots() is None and not manager._slots_reported
+
+
+def test_the_models_sampling_defaults_are_read_as_vllms_server_reads_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's own ``get_diff_sampling_param`` (generation_config.json, then the engine's
+    ``override_generation_config``), typed; a value of the wrong type is left out, logged."""
+    from vllm.config import ModelConfig
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_k": 64, "top_p": 0.95, "temperature": 1, "max_new_tokens": 40, "min_p": "x"})
+    )
+    config = SimpleNamespace(
+        generation_config="auto",
+        override_generation_config={"repetition_penalty": 1.1, "max_new_tokens": 30},
+        try_get_generation_config=lambda: json.loads((tmp_path / "generation_config.json").read_text()),
+    )
+    diff = ModelConfig.get_diff_sampling_param(config)  # type: ignore[arg-type]
+    assert model_defaults(diff) == ModelDefaults(
+        temperature=1.0, top_p=0.95, top_k=64, repetition_penalty=1.1, max_tokens=30
+    )
+    assert "min_p='x' is not a number" in caplog.text
+    assert model_defaults({}) == ModelDefaults()
+
+
+def test_top_k_beyond_64_bits_is_refused_before_the_engine() -> None:
+    """msgpack cannot carry it to the engine core: a 500 after admission, before."""
+    from pydantic import ValidationError
+
+    from gateway.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ValidationError, match="top_k"):
+        ChatCompletionRequest.model_validate({**body, "top_k": 2**64})
+    params = _sampling_params(SamplingSpec(max_tokens=4, top_k=2**63 - 1))
+    MsgpackEncoder().encode(params)

@@ -14,7 +14,7 @@ from gateway.lora_scheduler import LoraScheduler
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
 from gateway.service import ChatService
 from gateway.settings import LimitSettings
-from gateway.types import Constraint, LoraSpec
+from gateway.types import Constraint, LoraSpec, ModelDefaults
 from tests.unit.fakes import FakeEngine
 
 PRESET = Route(
@@ -233,10 +233,47 @@ async def test_greedy_choices_of_several_prompts_keep_openais_order() -> None:
     assert result.prompt_tokens == len(engine.calls[0][0]) + len(engine.calls[2][0])
 
 
-async def test_sampled_choices_stay_one_engine_request() -> None:
+@pytest.mark.parametrize("temperature", [0.5, 1e-6])
+async def test_sampled_choices_stay_one_engine_request(temperature: float) -> None:
+    """vLLM raises a temperature in (0, 0.01) to 0.01, which samples: one request, whose
+    choices vLLM seeds seed, seed + 1, ... (copies would all carry the one seed, identical)."""
     service, catalog, engine = setup()
-    await (await service.chat(chat(n=2, temperature=0.5), catalog.acquire("concise"))).collect()
-    assert [call[1].n for call in engine.calls] == [2]
+    request = chat(n=2, temperature=temperature, seed=7)
+    await (await service.chat(request, catalog.acquire("concise"))).collect()
+    assert [(call[1].n, call[1].seed) for call in engine.calls] == [(2, 7)]
+
+
+async def test_the_models_generation_config_fills_what_request_and_route_leave_out() -> None:
+    """As vLLM's server: request, else the route's defaults, else the model's, else OpenAI's."""
+    engine = FakeEngine()
+    engine.model_defaults = ModelDefaults(
+        temperature=0.6,
+        top_p=0.95,
+        top_k=64,
+        min_p=0.05,
+        repetition_penalty=1.05,
+        presence_penalty=0.1,
+        frequency_penalty=0.2,
+        max_tokens=9,
+    )
+    service, catalog, _ = setup(engine)
+    await (await service.chat(chat(model="base-model"), catalog.acquire(None))).collect()
+    spec = engine.calls[-1][1]
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p, spec.max_tokens) == (0.6, 0.95, 64, 0.05, 9)
+    assert (spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty) == (1.05, 0.1, 0.2)
+    await (await service.chat(chat(), catalog.acquire("concise"))).collect()  # the route's win
+    spec = engine.calls[-1][1]
+    assert (spec.temperature, spec.max_tokens, spec.repetition_penalty, spec.top_k) == (0.2, 5, 1.1, 64)
+    request = chat(temperature=1.0, top_k=-1, min_p=0, presence_penalty=0, max_tokens=3)
+    await (await service.chat(request, catalog.acquire("concise"))).collect()  # the request's win
+    spec = engine.calls[-1][1]
+    assert (spec.temperature, spec.top_k, spec.min_p, spec.presence_penalty, spec.max_tokens) == (
+        1.0,
+        0,
+        0,
+        0,
+        3,
+    )
 
 
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
