@@ -256,11 +256,14 @@ def check_tool_messages(messages: list[Message], *, answered_at_end: bool = True
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them, tool fields included; a tool message
-    gets the ``name`` of the function whose call it answers."""
+    gets the ``name`` of the function whose call it answers, another its own ``name`` where it
+    has one (as vLLM passes it: Gemma's template ignores it, a route's own may read it)."""
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text}
+        if m.name is not None:
+            d["name"] = m.name
         if m.tool_calls:
             d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             names.update((c.id, c.function.name) for c in m.tool_calls)

@@ -388,6 +388,18 @@ def test_a_tool_round_trip_is_accepted_and_names_the_function() -> None:
     assert rendered[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1", "name": "get_weather"}
 
 
+def test_a_participants_name_reaches_the_template() -> None:
+    """OpenAI's ``name`` tells participants apart; vLLM hands it to the template (Gemma's
+    ignores it, a route's own ``chat_template`` may read it). It was dropped."""
+    req = request(
+        messages=[{"role": "user", "content": "Hi", "name": "ana"}, {"role": "user", "content": "Yo"}]
+    )
+    assert template_messages(req.messages) == [
+        {"role": "user", "content": "Hi", "name": "ana"},
+        {"role": "user", "content": "Yo"},
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "content", "calls"),
     [
