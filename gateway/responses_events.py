@@ -191,7 +191,15 @@ class ResponseDraft:
             return [self.message(text, status)]
         parser = self.gen.route.tool_parser
         content, calls = calls_of_answer(self.gen.tools, text, parser)
-        output = [function_call(item_id("fc"), call_id(), c.name, c.arguments, status) for c in calls]
+        # Under ``required`` each call but the last was complete once the next began: the stream
+        # closes it then, as ``completed`` whatever ends the answer; the same here.
+        done = "completed" if self.gen.tools.mode == "required" else status
+        output = [
+            function_call(
+                item_id("fc"), call_id(), c.name, c.arguments, done if k < len(calls) - 1 else status
+            )
+            for k, c in enumerate(calls)
+        ]
         if content:  # in the order generated
             output.insert(
                 len(output) if calls_lead(self.gen.tools, text, parser) else 0, self.message(content, status)
