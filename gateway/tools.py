@@ -265,12 +265,25 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls:
-            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             names.update((c.id, c.function.name) for c in m.tool_calls)
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
             d["name"] = names.get(m.tool_call_id or "", m.name)
         out.append(d)
+    return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A call of the history as vLLM hands it to the template: its ``arguments`` an object
+    (Hugging Face's tool templates write it with ``tojson``), ``{}`` where the text is no
+    JSON object (as vLLM coerces it: the history stays usable)."""
+    out = call.model_dump()
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+    except ValueError:
+        arguments = {}
+    out["function"]["arguments"] = arguments if isinstance(arguments, dict) else {}
     return out
 
 

@@ -384,8 +384,28 @@ def test_a_tool_round_trip_is_accepted_and_names_the_function() -> None:
     req = request(messages=messages, tools=[WEATHER])
     assert plan_tools(req).mode == "auto"
     rendered = template_messages(req.messages)
-    assert rendered[1]["tool_calls"][0]["function"] == CALL["function"]
+    assert rendered[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert rendered[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1", "name": "get_weather"}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "given"), [("", {}), ("{oops", {}), ("[1]", {}), ('{"a": [1]}', {"a": [1]})]
+)
+def test_history_calls_reach_the_template_with_an_arguments_object(arguments: str, given: Any) -> None:
+    """As vLLM hands them over: Hugging Face's tool templates (Qwen, Hermes, Llama) write
+    ``arguments | tojson``, which double-encoded the JSON text; text that is no object is {}."""
+    call = {**CALL, "function": {"name": "get_weather", "arguments": arguments}}
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    rendered = template_messages(request(messages=messages, tools=[WEATHER]).messages)
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == given
+    qwen_like = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    out, _ = render_jinja_template([rendered], chat_template=qwen_like)
+    assert json.loads(out[0]) == given
 
 
 def test_a_participants_name_reaches_the_template() -> None:
