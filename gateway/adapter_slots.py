@@ -172,7 +172,9 @@ def cpu_cache_size(max_loras: int, adapter_dirs: Sequence[Path], host_bytes: int
 def adapter_bytes(directory: Path) -> int:
     """The size of an adapter's weight files (0 when they cannot be read)."""
     try:
-        return sum(f.stat().st_size for f in directory.iterdir() if f.suffix in (".safetensors", ".bin"))
+        return sum(
+            f.stat().st_size for f in directory.iterdir() if f.suffix in (".safetensors", ".bin", ".pt")
+        )
     except OSError:
         return 0
 

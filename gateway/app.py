@@ -42,8 +42,8 @@ def create_app(settings: GatewaySettings, engine: Engine | None = None) -> Starl
         middleware=[
             Middleware(RequestIdMiddleware),
             Middleware(AccessLogMiddleware, metrics=gw.metrics),
+            *cors(settings.server.cors_allow_origins),  # outside the refusals: they carry its headers
             Middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes),
-            *cors(settings.server.cors_allow_origins),
             Middleware(AuthMiddleware, keys=settings.auth.keys, public_paths=frozenset(public)),
             Middleware(AdmissionMiddleware, admission=gw.admission, metrics=gw.metrics),
         ],

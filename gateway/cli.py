@@ -88,7 +88,13 @@ def _yaml_value(key: str, value: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="An OpenAI-compatible LLM gateway: one vLLM engine, and for each request a LoRA\n"
+        "adapter or prompt preset chosen by its `model` or `task`.",
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gateway", description="Run the gateway (one engine).")
@@ -97,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser(
         "prepare-model",
         help="prepare the embedded model",
-        description="Build the embedded Gemma 3 270M directory in the cache.",
+        description="Build the embedded Gemma 3 270M directory in the cache (engine.model is not "
+        "read: a model of your own needs no preparing).",
     )
     _settings_args(prep)
     prep.add_argument("--force", action="store_true", help="rebuild even if prepared")

