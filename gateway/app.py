@@ -26,6 +26,7 @@ from gateway.middleware import (
     HeaderLimitMiddleware,
     RequestIdMiddleware,
     cors,
+    cors_wrap,
 )
 from gateway.responses import render_error, render_http_error
 from gateway.routes import PUBLIC_PATHS, ROUTES
@@ -37,13 +38,14 @@ from gateway.types import Engine
 def create_app(settings: GatewaySettings, engine: Engine | None = None) -> Starlette:
     gw = Gateway(settings, engine)
     public = PUBLIC_PATHS | ({"/metrics"} if settings.auth.public_metrics else set())
+    refusals = cors_wrap(settings.server.cors_allow_origins)  # answers made outside CORS get its headers
     app = Starlette(
         routes=ROUTES,
         middleware=[
-            Middleware(RequestIdMiddleware),
+            Middleware(RequestIdMiddleware, refusals=refusals),
             Middleware(AccessLogMiddleware, metrics=gw.metrics),
-            *cors(settings.server.cors_allow_origins),  # outside the refusals: they carry its headers
-            Middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes),
+            Middleware(HeaderLimitMiddleware, max_bytes=settings.server.max_header_bytes, refusals=refusals),
+            *cors(settings.server.cors_allow_origins),
             Middleware(AuthMiddleware, keys=settings.auth.keys, public_paths=frozenset(public)),
             Middleware(AdmissionMiddleware, admission=gw.admission, metrics=gw.metrics),
         ],

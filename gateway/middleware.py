@@ -7,12 +7,13 @@ Outermost first:
 - ``AccessLogMiddleware``: one JSON line per request (``gateway.access`` logger) and the
   request metrics, from a ``RequestRecord`` the app fills in as the request flows. A client
   that leaves while sending its body is a 499 there, not an error.
+- ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
+  HTTP implementation enforces a limit), a preflight too.
 - ``cors``: Starlette's CORS middleware (``server.cors_allow_origins``), so that a browser
   app can call the API from another origin, as it can OpenAI's and vLLM's. It answers
   preflights before auth (a preflight carries no key) and puts its headers on every answer,
-  a 401, 429 or 431 too, so the app can read the error.
-- ``HeaderLimitMiddleware``: request heads above a size get 431 (not every uvicorn
-  HTTP implementation enforces a limit).
+  a 401 or 429 too, so the app can read the error; the 431 and the fallback 500, made
+  outside it, go through it as well (``cors_wrap``).
 - ``AuthMiddleware``: deny by default. Decisions use the raw ASGI ``scope["path"]``, the
   same value the router matches on, never a URL rebuilt from the Host header (vLLM's
   ``--api-key`` was bypassed that way). Keys are compared as SHA-256 digests in constant
@@ -30,6 +31,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.middleware import Middleware
@@ -70,9 +72,34 @@ def _header(scope: Scope, name: bytes) -> str:
     return ""
 
 
+Wrap = Callable[[ASGIApp], ASGIApp]  # an answer made outside CORS, given its headers (``cors_wrap``)
+
+
+def _unwrapped(app: ASGIApp) -> ASGIApp:
+    return app
+
+
+async def _refuse(scope: Scope, send: Send, error: GatewayError, wrap: Wrap) -> None:
+    """Send ``error``, through ``wrap`` (CORS) unless the request is a preflight: CORS answers
+    those itself, and a refused preflight fails in the browser whatever its headers."""
+
+    async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+        await send_error(send, error)
+
+    if scope["method"] == "OPTIONS":
+        await send_error(send, error)
+        return
+
+    async def no_body() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await wrap(answer)(scope, no_body, send)
+
+
 class RequestIdMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, refusals: Wrap = _unwrapped) -> None:
         self.app = app
+        self.refusals = refusals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,8 +123,7 @@ class RequestIdMiddleware:
             log.exception("unhandled error in request %s", request_id)
             if started:
                 raise
-            error = GatewayError("internal error")
-            await send_error(send_with_id, error)
+            await _refuse(scope, send_with_id, GatewayError("internal error"), self.refusals)
 
 
 class AccessLogMiddleware:
@@ -134,18 +160,18 @@ class AccessLogMiddleware:
 
 
 class HeaderLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, refusals: Wrap = _unwrapped) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.refusals = refusals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
             size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
             if size > self.max_bytes:
-                await send_error(
-                    send, HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes")
-                )
+                error = HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes")
+                await _refuse(scope, send, error, self.refusals)
                 return
         await self.app(scope, receive, send)
 
@@ -244,6 +270,18 @@ def cors(origins: list[str]) -> list[Middleware]:
             expose_headers=CORS_EXPOSED_HEADERS,
         )
     ]
+
+
+def cors_wrap(origins: list[str]) -> Wrap:
+    """An app wrapped in the CORS middleware of ``cors``: for the answers made outside it (the
+    header limit's 431, the fallback 500), so a browser app can read those too."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        for cls, args, kwargs in reversed(cors(origins)):
+            app = cls(app, *args, **kwargs)
+        return app
+
+    return wrap
 
 
 def _is_admin_path(path: str) -> bool:

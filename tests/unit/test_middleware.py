@@ -892,6 +892,26 @@ async def test_a_refusal_carries_cors_headers_so_the_app_can_read_it(serve: Serv
     r = await served.http.post("/v1/chat/completions", json=chat_body(BASE), headers=big)
     assert_openai_error(r, 431, "headers_too_large")
     assert r.headers["access-control-allow-origin"] == "*"
+    # a preflight over the limit is a 431 as well: CORS must not answer it (and echo its head)
+    big_preflight = {**PREFLIGHT, "Access-Control-Request-Headers": "x-" + "a" * 40_000}
+    r = await served.http.options("/v1/chat/completions", headers=big_preflight)
+    assert_openai_error(r, 431, "headers_too_large")
+
+
+async def test_the_fallback_500_carries_cors_headers_and_the_request_id(serve: Serve) -> None:
+    """An unhandled error's 500 is made outside CORS (the outermost middleware): it had none."""
+    served = await serve()
+
+    async def boom(*_: object, **__: object) -> None:
+        raise RuntimeError("a bug")
+
+    served.gw.service.chat = boom  # type: ignore[method-assign]
+    transport = httpx.ASGITransport(app=served.app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as http:
+        headers = {"Authorization": f"Bearer {USER_KEY}", "Origin": APP_ORIGIN, "x-request-id": "r-1"}
+        r = await http.post("/v1/chat/completions", json=chat_body(BASE), headers=headers)
+    assert_openai_error(r, 500)
+    assert r.headers["access-control-allow-origin"] == "*" and r.headers["x-request-id"] == "r-1"
 
 
 async def test_listed_origins_only(serve: Serve) -> None:
