@@ -261,9 +261,11 @@ def cold_lines(result: dict[str, Any]) -> list[str]:
 
 
 def lora_goals(
-    result: dict[str, Any], rows: list[dict[str, Any]], gpu: bool
+    result: dict[str, Any], rows: list[dict[str, Any]], gpu: bool, paired: list[dict[str, Any]] | None = None
 ) -> list[tuple[str, bool | None, str]]:
-    """Issue 17's goals for the 16-adapter mixes (and lora4 at the top concurrency)."""
+    """Issue 17's goals for the 16-adapter mixes (and lora4 at the top concurrency). ``paired``:
+    the points of the passes both servers ran (``report.matched``), for the comparisons; the
+    starvation line judges every gateway pass."""
     out: list[tuple[str, bool | None, str]] = []
     many = [r for r in rows if r["mix"].partition(":")[0] in MANY and r.get("tok_ratio") is not None]
     if many and gpu:
@@ -284,7 +286,7 @@ def lora_goals(
                 else detail,
             )
         )
-    groups = _by_point(result["points"])
+    groups = _by_point(result["points"] if paired is None else paired)
     worse: list[tuple[float, str]] = []
     compared = 0
     for (t, mix, c), ps in groups.items():
@@ -306,7 +308,10 @@ def lora_goals(
             )
         )
     mine = [
-        p for (t, m, _), ps in groups.items() if t == "gateway" and m.partition(":")[0] in MANY for p in ps
+        p
+        for (t, m, _), ps in _by_point(result["points"]).items()
+        if t == "gateway" and m.partition(":")[0] in MANY
+        for p in ps
     ]
     if mine:
         starved = [

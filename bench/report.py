@@ -191,9 +191,9 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
     if served:
         bad = [
             f"{p['target']} {p['mix']} c={p['concurrency']} pass {p.get('pass', 1)}: "
-            f"{p.get('failed', 0):.0f} failed, {wrong:.0f} invalid"
+            f"{p.get('failed') or 0:.0f} failed, {_wrong(p):.0f} invalid"
             for p in served
-            if p.get("failed") or (wrong := (p.get("invalid") or 0) - (p.get("invalid_at_length") or 0))
+            if p.get("failed") or _wrong(p)
         ]
         out.append(
             (
@@ -261,7 +261,7 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
                     f"worst {worst[1]:.3f} ({worst[0]})",
                 )
             )
-    out += lora_goals({**result, "points": matched(result["points"])[0]}, rows, gpu)
+    out += lora_goals(result, rows, gpu, paired=matched(result["points"])[0])
     rss = [
         r["rss_tree_delta_mb"]
         for r in rows
@@ -276,6 +276,11 @@ def goals(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str,
             )
         )
     return out
+
+
+def _wrong(p: dict[str, Any]) -> float:
+    """A point's invalid answers that were not cut at ``max_tokens``: the server's, not the model's."""
+    return float((p.get("invalid") or 0) - (p.get("invalid_at_length") or 0))
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -336,3 +336,37 @@ def test_a_point_past_the_budget_runs_no_pass_at_all() -> None:
         (64, "vllm", 2),
     ]
     assert bench.result["notes"] == ["lora16 c=256 skipped: past --budget-s"]
+
+
+def test_the_failure_line_names_each_points_own_counts() -> None:
+    """A point with failed requests first, and one with invalid answers before another that failed:
+    each is reported with its own counts (the first crashed the report, the second borrowed them)."""
+    points = [
+        {**_point("vllm", 100.0, 1), "failed": 0, "invalid": 5, "invalid_at_length": 0},
+        {**_point("gateway", 50.0, 1), "failed": 3, "invalid": 0},
+    ]
+    result = {"meta": {"mixes": ["base"], "concurrencies": [4]}, "points": points}
+    line = next(g for g in report.goals(result, report.compare(result)) if g[0].startswith("every request"))
+    assert line[1] is False
+    assert (
+        line[2] == "vllm base c=4 pass 1: 0 failed, 5 invalid; gateway base c=4 pass 1: 3 failed, 0 invalid"
+    )
+
+
+def test_a_starved_adapter_fails_its_goal_on_a_pass_without_a_twin() -> None:
+    """Starvation is the gateway's own, not a comparison: a pass vLLM has no twin of still counts."""
+    per = {"a0": {"requests": 4, "ttft_ms_mean": 10.0, "ttft_ms_p99": 12.0}}
+    lora: dict[str, Any] = {"per_adapter": per, "worst_ttft_ratio": 1.0, "starved": ""}
+    points = [
+        {**_point("vllm", 100.0, 1, mix="lora16", c=64), **lora},
+        {**_point("gateway", 150.0, 1, mix="lora16", c=64), **lora},
+        {
+            **_point("gateway", 150.0, 2, mix="lora16", c=64),
+            **lora,
+            "worst_ttft_ratio": 9.0,
+            "starved": "a0 (9.0x)",
+        },
+    ]
+    result = {"meta": {"mixes": ["lora16"], "concurrencies": [64], "gpu": None}, "points": points}
+    line = next(g for g in report.goals(result, report.compare(result)) if "starved" in g[0])
+    assert line[1] is False and "pass 2: a0 (9.0x)" in line[2]
