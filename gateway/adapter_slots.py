@@ -40,9 +40,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.adapters_check import weights_file
 from gateway.catalog import Route
 from gateway.embedded import EMBEDDED_DIMS, embedded_model_dir
-from gateway.errors import GatewayError
+from gateway.errors import ConfigError, GatewayError
 from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics
 from gateway.snapshots import SnapshotDir
@@ -170,12 +171,11 @@ def cpu_cache_size(max_loras: int, adapter_dirs: Sequence[Path], host_bytes: int
 
 
 def adapter_bytes(directory: Path) -> int:
-    """The size of an adapter's weight files (0 when they cannot be read)."""
+    """The size of the adapter's weights, the one file vLLM loads (0 when there is none or it
+    cannot be read): a trainer's checkpoint beside it (``optimizer.pt``) is not the adapter."""
     try:
-        return sum(
-            f.stat().st_size for f in directory.iterdir() if f.suffix in (".safetensors", ".bin", ".pt")
-        )
-    except OSError:
+        return weights_file(directory, directory.name).stat().st_size
+    except (ConfigError, OSError):
         return 0
 
 

@@ -420,12 +420,16 @@ def test_the_cpu_cache_holds_every_catalog_adapter_and_room_for_more(tmp_path: P
 
 @pytest.mark.parametrize("file", ["adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt"])
 def test_an_adapters_size_counts_each_weights_format_it_may_be_saved_in(tmp_path: Path, file: str) -> None:
-    """Older PEFT's ``.pt`` is accepted; its size counted as 0, so the cache was not sized for it."""
+    """Older PEFT's ``.pt`` is accepted; its size counted as 0, so the cache was not sized for it.
+    Only the file vLLM loads counts: a trainer's checkpoint holds optimizer state beside it."""
     from gateway.adapter_slots import adapter_bytes
 
     (tmp_path / file).write_bytes(b"\0" * 1000)
     (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "optimizer.pt").write_bytes(b"\0" * 2000)
+    (tmp_path / "training_args.bin").write_bytes(b"\0" * 100)
     assert adapter_bytes(tmp_path) == 1000
+    assert adapter_bytes(tmp_path / "missing") == 0
 
 
 def test_the_cpu_cache_stays_within_a_share_of_host_memory(tmp_path: Path) -> None:
