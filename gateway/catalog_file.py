@@ -49,8 +49,12 @@ class SamplingDefaults(BaseModel):
 
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=2**63 - 1)  # 0 or -1: off (a model's own top_k, undone)
+    min_p: float | None = Field(None, ge=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     repetition_penalty: float | None = Field(None, ge=1e-30, le=2)  # logit / it: finite in float32
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
 
 
 class RouteEntry(BaseModel):

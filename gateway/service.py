@@ -604,19 +604,23 @@ def _sampling(
         max_tokens=max_tokens,
         temperature=_pick(request.temperature, defaults.temperature, model.temperature, 1.0),
         top_p=_pick(request.top_p, defaults.top_p, model.top_p, 1.0),
-        top_k=max(int(_pick(request.top_k, model.top_k, 0)), 0),  # -1, as 0, disables top-k (vLLM's)
+        top_k=max(int(_pick(request.top_k, defaults.top_k, model.top_k, 0)), 0),  # -1, as 0: off (vLLM's)
         n=request.n,
         stop=request.stop_list,
         seed=request.seed,
-        presence_penalty=_pick(request.presence_penalty, model.presence_penalty, 0.0),
-        frequency_penalty=_pick(request.frequency_penalty, model.frequency_penalty, 0.0),
+        presence_penalty=_pick(
+            request.presence_penalty, defaults.presence_penalty, model.presence_penalty, 0.0
+        ),
+        frequency_penalty=_pick(
+            request.frequency_penalty, defaults.frequency_penalty, model.frequency_penalty, 0.0
+        ),
         repetition_penalty=_pick(
             request.repetition_penalty, defaults.repetition_penalty, model.repetition_penalty, 1.0
         ),
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
-        min_p=_pick(request.min_p, model.min_p, 0.0),
+        min_p=_pick(request.min_p, defaults.min_p, model.min_p, 0.0),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),

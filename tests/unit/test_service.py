@@ -264,6 +264,14 @@ async def test_the_models_generation_config_fills_what_request_and_route_leave_o
     await (await service.chat(chat(), catalog.acquire("concise"))).collect()  # the route's win
     spec = engine.calls[-1][1]
     assert (spec.temperature, spec.max_tokens, spec.repetition_penalty, spec.top_k) == (0.2, 5, 1.1, 64)
+    table = RoutingTable(
+        base=Route(name="base-model", kind="base"),
+        routes={"plain": Route(name="plain", kind="preset", defaults=SamplingDefaults(top_k=0, min_p=0.1))},
+        errors={},
+    )
+    await (await service.chat(chat(model="plain"), Catalog(lambda ids: table).acquire("plain"))).collect()
+    spec = engine.calls[-1][1]  # a preset undoes the model's top_k, sets its own min_p
+    assert (spec.top_k, spec.min_p, spec.top_p) == (0, 0.1, 0.95)
     request = chat(temperature=1.0, top_k=-1, min_p=0, presence_penalty=0, max_tokens=3)
     await (await service.chat(request, catalog.acquire("concise"))).collect()  # the request's win
     spec = engine.calls[-1][1]
