@@ -176,6 +176,26 @@ CONTENT_STREAM = _sse(
 )
 
 
+async def drive_against(handler: Any, jobs: list[Job], workers: int, *args: Any) -> list[RequestResult]:
+    """``bench.client.drive`` (max_tokens 48) against an aiohttp app answering chat with ``handler``."""
+    from aiohttp import web
+
+    from bench.client import drive
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        results, _ = await drive(f"http://127.0.0.1:{port}", jobs, workers, 48, *args)
+    finally:
+        await runner.cleanup()
+    return results
+
+
 @pytest.mark.parametrize(
     ("shape", "stream", "valid", "chunks"),
     [("tools", TOOL_STREAM, True, 4), ("json_schema", CONTENT_STREAM, False, 3)],
@@ -187,7 +207,7 @@ def test_drive_times_either_delta_kind_and_checks_the_answer(
     and arguments are, and the answer is the joined content or arguments."""
     from aiohttp import web
 
-    from bench.client import drive, run_loop
+    from bench.client import run_loop
 
     seen: list[dict[str, Any]] = []
 
@@ -195,21 +215,7 @@ def test_drive_times_either_delta_kind_and_checks_the_answer(
         seen.append(await request.json())
         return web.Response(body=stream, content_type="text/event-stream")
 
-    async def go() -> list[RequestResult]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            results, _ = await drive(f"http://127.0.0.1:{port}", [Job("m", "hi")] * 2, 2, 48, None, shape)
-        finally:
-            await runner.cleanup()
-        return results
-
-    results = run_loop(go())
+    results = run_loop(drive_against(handler, [Job("m", "hi")] * 2, 2, None, shape))
     assert [r.ok for r in results] == [True, True]
     assert all(r.valid is valid and r.chunks == chunks and len(r.itl) == chunks - 1 for r in results)
     assert results[0].completion_tokens == 12
@@ -222,7 +228,7 @@ def test_the_client_reuses_its_connections_between_requests() -> None:
     each worker's next request opened a new one, and its TTFT included the connect."""
     from aiohttp import web
 
-    from bench.client import drive, run_loop
+    from bench.client import run_loop
 
     peers: set[Any] = set()
 
@@ -235,20 +241,6 @@ def test_the_client_reuses_its_connections_between_requests() -> None:
         await response.write_eof()
         return response
 
-    async def go() -> list[RequestResult]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            results, _ = await drive(f"http://127.0.0.1:{port}", [Job("m", "hi")] * 20, 2, 48)
-        finally:
-            await runner.cleanup()
-        return results
-
-    results = run_loop(go())
+    results = run_loop(drive_against(handler, [Job("m", "hi")] * 20, 2))
     assert all(r.ok for r in results)
     assert len(peers) == 2  # one connection per worker
