@@ -50,7 +50,7 @@ def passes(points: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict
 
 
 def matched(points: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The points of the passes both servers ran at their point, and the others' labels.
+    """The points of the passes both servers ran at their point, and the points left out.
     A pass one server lacks (``--budget-s`` ran out, or that pass failed) would leave the
     other's pass unpaired: the ratio of means would then weigh the machine's drift on one
     side only, so the comparison uses the pass numbers both have (all, if they share none)."""

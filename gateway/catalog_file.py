@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 import jinja2
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from gateway.protocol import INT64_MAX
+
 # How ``tool_choice: auto`` answers become tool calls (``gateway.tools``): ``json`` reads the
 # JSON calls that configs/templates/gemma-tools.jinja asks for; ``none`` keeps them as text.
 ToolParser = Literal["json", "none"]
@@ -49,7 +51,7 @@ class SamplingDefaults(BaseModel):
 
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**63 - 1)  # 0 or -1: off (a model's own top_k, undone)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # 0 or -1: off (a model's own top_k, undone)
     min_p: float | None = Field(None, ge=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     repetition_penalty: float | None = Field(None, ge=1e-30, le=2)  # logit / it: finite in float32

@@ -86,14 +86,10 @@ async def _refuse(scope: Scope, send: Send, error: GatewayError, wrap: Wrap) -> 
     async def answer(scope: Scope, receive: Receive, send: Send) -> None:
         await send_error(send, error)
 
-    if scope["method"] == "OPTIONS":
-        await send_error(send, error)
-        return
-
     async def no_body() -> Message:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    await wrap(answer)(scope, no_body, send)
+    await (answer if scope["method"] == "OPTIONS" else wrap(answer))(scope, no_body, send)
 
 
 class RequestIdMiddleware:
