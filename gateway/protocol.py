@@ -49,6 +49,8 @@ class _Request(BaseModel):
         for name in self._unsupported:
             if not _harmless(extra.get(name)):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
+        if "best_of" in self._unsupported and extra.get("best_of") == 1 and (getattr(self, "n", 1) or 1) > 1:
+            raise InvalidRequest("best_of must be at least n", param="best_of")  # as OpenAI
         for name in VLLM_UNIMPLEMENTED:
             if not _asks_nothing(extra.get(name)):
                 raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
@@ -271,6 +273,15 @@ class Message(BaseModel):
                 raise ValueError(f"'{kind[:40]}' content parts are not supported by this model (text only)")
             parts.append(part)
         return parts
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_function_call(cls, message: Any) -> Any:
+        # OpenAI's deprecated form of a call in the history: answering as if the call had not
+        # been made would change the answer, so it is refused like the top-level form.
+        if isinstance(message, dict) and message.get("function_call") is not None:
+            raise ValueError("'function_call' is deprecated and not supported; send 'tool_calls'")
+        return message
 
     @property
     def text(self) -> str:

@@ -66,6 +66,13 @@ def test_echo_true_is_not_mistaken_for_one() -> None:
     assert chat(best_of=1).n == 1
 
 
+def test_best_of_below_n_is_refused() -> None:
+    # OpenAI: best_of must be at least n. best_of 1 asks nothing only for one choice.
+    assert refused(completion, best_of=1, n=3) == "best_of"
+    assert refused(chat, best_of=1, n=2) == "best_of"
+    assert completion(best_of=1, n=1).n == 1 and completion(best_of=1, n=None).n == 1
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -169,6 +176,15 @@ def test_an_assistant_refusal_part_is_its_text() -> None:
     turns = [*USER, {"role": "assistant", "content": refusal}, *USER]
     assert chat(messages=turns).messages[1].text == "No."
     assert refused(chat, messages=[{"role": "user", "content": refusal}]) == "messages.0.content"
+
+
+def test_a_deprecated_function_call_in_the_history_is_refused() -> None:
+    # It was dropped: the model answered as if the call had never been made.
+    call = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+    assert refused(chat, messages=[*USER, call, *USER]) == "messages.1"
+    assert (
+        chat(messages=[*USER, {**call, "function_call": None, "content": "x"}, *USER]).messages[1].text == "x"
+    )
 
 
 def test_prompt_forms() -> None:
