@@ -79,7 +79,7 @@ class EngineManager:
             self._tokenizer = tokenizer
             model_config = self._engine.vllm_config.model_config
             self._max_model_len = int(model_config.max_model_len)
-            self._model_defaults = model_defaults(model_config.get_diff_sampling_param())
+            self._model_defaults = model_defaults(model_config)
             log.info("engine ready: %s (max_model_len=%d)", self.served_model_name, self._max_model_len)
             if self._model_defaults != ModelDefaults():
                 log.info("the model's sampling defaults (generation_config): %s", self._model_defaults)
@@ -387,12 +387,16 @@ _FLOAT_DEFAULTS = frozenset(
 )
 
 
-def model_defaults(diff: dict[str, Any]) -> ModelDefaults:
-    """vLLM's ``get_diff_sampling_param()`` (the model's generation_config with the engine's
-    overrides) as ``ModelDefaults``; a value of the wrong type is logged and left out."""
+def model_defaults(model_config: Any) -> ModelDefaults:
+    """The model's sampling defaults as vLLM's server reads them from its ``ModelConfig``:
+    ``get_diff_sampling_param()`` (the model's generation_config with the engine's overrides),
+    and the limit on every request's ``max_tokens``, which is the override's
+    ``max_new_tokens`` under ``generation_config`` ``auto`` or ``vllm`` and the merged one
+    under a config folder of the operator's. A value of the wrong type is logged and left out."""
+    diff = model_config.get_diff_sampling_param()
     values: dict[str, Any] = {}
     for name, value in diff.items():
-        if name not in ModelDefaults.__dataclass_fields__:
+        if name not in ModelDefaults.__dataclass_fields__ or name == "max_tokens_limit":
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if name in _FLOAT_DEFAULTS and number:
@@ -401,6 +405,12 @@ def model_defaults(diff: dict[str, Any]) -> ModelDefaults:
             values[name] = value
         else:
             log.warning("the model's generation_config %s=%r is not a number: left out", name, value)
+    if model_config.generation_config not in ("auto", "vllm"):
+        limit = values.get("max_tokens")
+    else:
+        limit = (getattr(model_config, "override_generation_config", None) or {}).get("max_new_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        values["max_tokens_limit"] = limit
     return ModelDefaults(**values)
 
 

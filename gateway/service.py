@@ -536,10 +536,12 @@ class ChatService:
         limit_param: str = "max_tokens",
     ) -> int:
         """``max_tokens``, or the route's default if None (raised to ``min_tokens`` if that
-        is more), checked against the context left. An explicit ``max_tokens`` below
+        is more), checked against the context left and capped at vLLM's server-wide limit
+        (``ModelDefaults.max_tokens_limit``). A limit below
         ``min_tokens`` is a 400, as in vLLM. ``limit_param``: the field the limit came from
         (chat's ``max_completion_tokens`` or ``max_tokens``), named in those errors."""
         context = self._engine.max_model_len
+        cap = self._engine.model_defaults.max_tokens_limit
         room = context - prompt_len
         if room <= 0:
             raise _over_context(context, str(prompt_len), prompt_param)
@@ -555,6 +557,18 @@ class ChatService:
                 f"{max_tokens} for the completion).",
                 param=limit_param,
             )
+        if max_tokens is None and min_tokens > room:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"at least {prompt_len + min_tokens} tokens ({prompt_len} in the prompt, "
+                f"min_tokens {min_tokens} for the completion).",
+                param="min_tokens",
+            )
+        if cap is not None and min_tokens > cap:
+            raise InvalidRequest(
+                f"min_tokens must be at most the server's limit on max_tokens ({cap}), got {min_tokens}",
+                param="min_tokens",
+            )
         if max_tokens is None:
             default = min(
                 lease.route.defaults.max_tokens
@@ -562,15 +576,8 @@ class ChatService:
                 or self._limits.default_max_tokens,
                 room,
             )
-            if min_tokens > room:
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {context} tokens. However, you requested "
-                    f"at least {prompt_len + min_tokens} tokens ({prompt_len} in the prompt, "
-                    f"min_tokens {min_tokens} for the completion).",
-                    param="min_tokens",
-                )
             max_tokens = max(default, min_tokens)
-        return max_tokens
+        return max_tokens if cap is None else min(max_tokens, cap)
 
     async def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
         """The engine's form of ``sampling``; a constraint its grammar backend refuses is

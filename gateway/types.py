@@ -65,6 +65,9 @@ class ModelDefaults:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     max_tokens: int | None = None  # Hugging Face's max_new_tokens
+    # vLLM's server-wide limit on max_tokens: an override's max_new_tokens (or the model's,
+    # under a generation_config folder the operator names)
+    max_tokens_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

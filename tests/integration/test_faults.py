@@ -151,7 +151,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
             "--set",
             "server.log_prompts=true",
             "--set",
-            "engine.engine_args.override_generation_config={max_new_tokens: 3, top_k: 1}",
+            "engine.engine_args.override_generation_config={max_new_tokens: 100, top_k: 1}",
         ),
     )
     yield gw
@@ -186,17 +186,22 @@ async def test_burst_of_ten_times_the_bound_gets_fast_429s(small: LiveGateway) -
 
 def test_the_models_sampling_defaults_fill_what_the_request_leaves_out(small: LiveGateway) -> None:
     """As under ``vllm serve``: the model's generation config (here the engine's override:
-    ``max_new_tokens`` 3, ``top_k`` 1) for the fields a request leaves out."""
+    ``max_new_tokens`` 100, ``top_k`` 1) for the fields a request leaves out, and its
+    ``max_new_tokens`` a limit on every request."""
     with small.client() as http:
         body = chat_body("base", "Tell me a story.", ignore_eos=True, n=3, temperature=1.0, seed=5)
         answer = http.post("/v1/chat/completions", json=body).json()
-        assert answer["usage"]["completion_tokens"] == 3 * 3
+        assert answer["usage"]["completion_tokens"] == 3 * 100
         assert {c["finish_reason"] for c in answer["choices"]} == {"length"}
         assert len({c["message"]["content"] for c in answer["choices"]}) == 1  # top_k 1: one token each step
         unlimited = {**body, "max_tokens": 12, "top_k": 0}  # the request's own values win
         answer = http.post("/v1/chat/completions", json=unlimited).json()
         assert answer["usage"]["completion_tokens"] == 3 * 12
         assert len({c["message"]["content"] for c in answer["choices"]}) > 1
+        over = {**body, "n": 1, "max_tokens": 150}  # vLLM: max_new_tokens is a server-wide limit
+        answer = http.post("/v1/chat/completions", json=over).json()
+        assert answer["usage"]["completion_tokens"] == 100
+        assert answer["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompts_are_logged_when_enabled(small: LiveGateway) -> None:

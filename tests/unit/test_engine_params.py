@@ -414,23 +414,38 @@ def test_the_models_sampling_defaults_are_read_as_vllms_server_reads_them(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """vLLM's own ``get_diff_sampling_param`` (generation_config.json, then the engine's
-    ``override_generation_config``), typed; a value of the wrong type is left out, logged."""
+    ``override_generation_config``), typed; a value of the wrong type is left out, logged.
+    The limit on every request is the override's ``max_new_tokens`` (under ``auto``), or the
+    merged one under a generation_config folder of the operator's, as in vLLM's server."""
     from vllm.config import ModelConfig
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"top_k": 64, "top_p": 0.95, "temperature": 1, "max_new_tokens": 40, "min_p": "x"})
     )
-    config = SimpleNamespace(
-        generation_config="auto",
-        override_generation_config={"repetition_penalty": 1.1, "max_new_tokens": 30},
-        try_get_generation_config=lambda: json.loads((tmp_path / "generation_config.json").read_text()),
-    )
-    diff = ModelConfig.get_diff_sampling_param(config)  # type: ignore[arg-type]
-    assert model_defaults(diff) == ModelDefaults(
-        temperature=1.0, top_p=0.95, top_k=64, repetition_penalty=1.1, max_tokens=30
+
+    def config(generation_config: str, override: dict[str, Any]) -> SimpleNamespace:
+        c = SimpleNamespace(
+            generation_config=generation_config,
+            override_generation_config=override,
+            try_get_generation_config=lambda: json.loads((tmp_path / "generation_config.json").read_text()),
+        )
+        c.get_diff_sampling_param = lambda: ModelConfig.get_diff_sampling_param(c)  # type: ignore[arg-type]
+        return c
+
+    expected = {"temperature": 1.0, "top_p": 0.95, "top_k": 64}
+    overridden = config("auto", {"repetition_penalty": 1.1, "max_new_tokens": 30})
+    assert model_defaults(overridden) == ModelDefaults(
+        **expected, repetition_penalty=1.1, max_tokens=30, max_tokens_limit=30
     )
     assert "min_p='x' is not a number" in caplog.text
-    assert model_defaults({}) == ModelDefaults()
+    # the model's own max_new_tokens is a default, not a limit
+    assert model_defaults(config("auto", {})) == ModelDefaults(**expected, max_tokens=40)
+    assert model_defaults(config(str(tmp_path), {})) == ModelDefaults(
+        **expected, max_tokens=40, max_tokens_limit=40
+    )
+    assert model_defaults(SimpleNamespace(generation_config="vllm", get_diff_sampling_param=dict)) == (
+        ModelDefaults()
+    )
 
 
 def test_top_k_beyond_64_bits_is_refused_before_the_engine() -> None:

@@ -284,6 +284,26 @@ async def test_the_models_generation_config_fills_what_request_and_route_leave_o
     )
 
 
+async def test_the_servers_max_new_tokens_limits_every_request() -> None:
+    """vLLM's server makes an override's ``max_new_tokens`` a server-wide limit: an explicit
+    ``max_tokens`` or a route's default above it is cut to it; a ``min_tokens`` above it is a 400."""
+    engine = FakeEngine()
+    engine.model_defaults = ModelDefaults(max_tokens=4, max_tokens_limit=4)
+    service, catalog, _ = setup(engine)
+    await (await service.chat(chat(max_tokens=50), catalog.acquire(None))).collect()
+    assert engine.calls[-1][1].max_tokens == 4
+    await (await service.chat(chat(max_tokens=2), catalog.acquire(None))).collect()
+    assert engine.calls[-1][1].max_tokens == 2
+    await (await service.chat(chat(), catalog.acquire("concise"))).collect()  # the route's default is 5
+    assert engine.calls[-1][1].max_tokens == 4
+    with pytest.raises(InvalidRequest) as info:
+        await service.chat(chat(min_tokens=5), catalog.acquire(None))
+    assert info.value.param == "min_tokens" and "limit on max_tokens (4)" in info.value.message
+    engine.model_defaults = ModelDefaults(max_tokens=4)  # generation_config.json's: a default only
+    await (await service.chat(chat(max_tokens=50), catalog.acquire(None))).collect()
+    assert engine.calls[-1][1].max_tokens == 50
+
+
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 NAMED = {"type": "function", "function": {"name": "f"}}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
