@@ -227,6 +227,11 @@ class EngineManager:
             self._checks.structured(self._require(), params, self._tokenizer)
         return params
 
+    def with_max_tokens(self, params: Any, max_tokens: int) -> Any:
+        resized = params.clone()
+        resized.max_tokens = max_tokens
+        return resized
+
     def _vocab_size(self) -> int:
         """The model's vocabulary (vLLM checks logit_bias against it only once the request
         is queued, after a stream's 200); 0 if not known."""

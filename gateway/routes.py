@@ -169,7 +169,11 @@ async def create_response(request: Request) -> Response:
     )
     try:
         gen = await _generate(
-            request, body.model, body.task, lambda lease: gw.service.chat(chat, lease, limit), body.stream
+            request,
+            body.model,
+            body.task,
+            lambda lease: gw.service.chat(chat, lease, limit, "max_output_tokens"),
+            body.stream,
         )
     except InvalidRequest as exc:
         raise rename_param(exc) from None

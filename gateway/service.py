@@ -119,12 +119,15 @@ class Generation:
         id_prefix: str,
         *,
         more_prompts: Sequence[list[int]] = (),
+        more_params: Sequence[Any] = (),
         echo: list[Echo] | None = None,
         copies: int = 1,
         scheduler: LoraScheduler | None = None,
     ) -> None:
         """``copies``: engine requests per prompt, each of ``sampling.n // copies`` choices
-        (greedy choices: one request each, as vLLM has no greedy ``n``)."""
+        (greedy choices: one request each, as vLLM has no greedy ``n``). ``more_params``:
+        the engine's params for each of ``more_prompts`` (each prompt's own room in the
+        context); none: ``params`` for all."""
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.route: Route = lease.route
@@ -151,6 +154,7 @@ class Generation:
         self._iterated = False  # ``steps`` has begun: ``close`` leaves the release to it
         # completions only: the prompts after the first, and what to echo per prompt
         self._more_prompts = list(more_prompts)
+        self._more_params = list(more_params) or [params] * len(more_prompts)
         self._echo = echo
         self._copies = copies
         self._per_stream = sampling.n // copies  # choices per engine stream
@@ -229,10 +233,11 @@ class Generation:
         if len(self._request_ids) == 1 and self._echo is None:  # the hot path: one plain stream
             return self._engine.generate(self._prompt_ids, self._params, self.id, self.lora, priority)
         prompts = [self._prompt_ids, *self._more_prompts]
+        params = [self._params, *self._more_params]
         streams = []
         for k, request_id in enumerate(self._request_ids):  # prompt-major: choice p * n + copy
             p = k // self._copies
-            stream = self._engine.generate(prompts[p], self._params, request_id, self.lora, priority)
+            stream = self._engine.generate(prompts[p], params[p], request_id, self.lora, priority)
             streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
         return streams[0] if len(streams) == 1 else merge_steps(streams, self._per_stream)
 
@@ -286,10 +291,15 @@ class ChatService:
             )
 
     async def chat(
-        self, request: ChatCompletionRequest, lease: Lease, constraint: Constraint | None = None
+        self,
+        request: ChatCompletionRequest,
+        lease: Lease,
+        constraint: Constraint | None = None,
+        limit_param: str | None = None,
     ) -> Generation:
         """``constraint``: structured decoding asked for outside the chat body (``/v1/responses``'
-        ``text.format``)."""
+        ``text.format``); ``limit_param``: the name of the request's token limit where it is
+        not chat's (``max_output_tokens``), for the errors that name it."""
         route = lease.route
         plan, shape = await self.check_schemas(
             lambda: _chat_shape(request, route, constraint), _carries_schemas(request)
@@ -304,7 +314,10 @@ class ChatService:
             size=_size(messages),
         )
         limit, logprobs = request.token_limit, request.num_logprobs
-        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        if limit_param is None:
+            limit_param = (
+                "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+            )
         gen = await self._start(
             request,
             lease,
@@ -493,18 +506,21 @@ class ChatService:
             raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
         if any(not 0 <= token < vocab for token in request.stop_token_ids or ()):
             raise InvalidRequest(f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
-        longest = max([prompt_ids, *(more_prompts or ())], key=len)
-        max_tokens = self._token_budget(
-            len(longest),
-            max_tokens,
-            request.min_tokens,
-            lease,
-            "messages" if id_prefix == "chatcmpl" else "prompt",
-            limit_param,
-        )
+        # Each prompt's budget is its own room in the context (as in vLLM), the longest's
+        # refusal first: a batch's short prompt is not cut to what a long one leaves.
+        prompt_param = "messages" if id_prefix == "chatcmpl" else "prompt"
+        budgets = {
+            n: self._token_budget(n, max_tokens, request.min_tokens, lease, prompt_param, limit_param)
+            for n in sorted({len(p) for p in [prompt_ids, *(more_prompts or ())]}, reverse=True)
+        }
         constraint, constraint_param = shape
         sampling = _sampling(
-            request, lease.route.defaults, self._engine.model_defaults, max_tokens, logprobs, constraint
+            request,
+            lease.route.defaults,
+            self._engine.model_defaults,
+            budgets[len(prompt_ids)],
+            logprobs,
+            constraint,
         )
         if echo is not None and logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=logprobs)
@@ -513,6 +529,10 @@ class ChatService:
         # a temperature in (0, 0.01) to 0.01, which samples (choices seeded seed, seed + 1, ...).
         copies = sampling.n if sampling.n > 1 and sampling.temperature == 0 else 1
         params = await self._prepare(replace(sampling, n=1) if copies > 1 else sampling, constraint_param)
+        resized = {sampling.max_tokens: params}  # checked once; the others differ in max_tokens only
+        for budget in budgets.values():
+            if budget not in resized:
+                resized[budget] = self._engine.with_max_tokens(params, budget)
         return Generation(
             self._engine,
             lease,
@@ -521,6 +541,7 @@ class ChatService:
             params,
             id_prefix,
             more_prompts=more_prompts or (),
+            more_params=[resized[budgets[len(p)]] for p in more_prompts or ()],
             echo=echo,
             copies=copies,
             scheduler=self._scheduler if lease.route.lora is not None else None,

@@ -133,6 +133,10 @@ class EngineBackend(Protocol):
     def prepare(self, sampling: SamplingSpec) -> Any:
         """The engine's own form of ``sampling``, for ``generate``; InvalidRequest if refused."""
 
+    def with_max_tokens(self, params: Any, max_tokens: int) -> Any:
+        """``params`` (from ``prepare``) with another ``max_tokens``: a batch's prompts each
+        get their own room in the context."""
+
     def generate(
         self, prompt_ids: list[int], params: Any, request_id: str, lora: LoraSpec | None, priority: int = 0
     ) -> AsyncIterator[StepOutput]:

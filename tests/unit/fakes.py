@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import EngineUnavailable
@@ -138,6 +139,9 @@ class FakeEngine:
 
     def prepare(self, sampling: SamplingSpec) -> SamplingSpec:
         return sampling  # the fake generates straight from the spec
+
+    def with_max_tokens(self, params: SamplingSpec, max_tokens: int) -> SamplingSpec:
+        return replace(params, max_tokens=max_tokens)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -483,3 +483,12 @@ def test_an_answer_nested_absurdly_deep_is_text_not_a_crash() -> None:
     text = "[" * 5000 + "]" * 5000  # the model wrote it; json.loads raised RecursionError
     assert parse_calls(text, ("f",)) == (text, [])
     assert parse_required(text) == []
+
+
+async def test_the_min_tokens_error_on_responses_names_max_output_tokens(serve: Serve) -> None:
+    # It said "at most max_tokens (2)", a field /v1/responses refuses.
+    served = await serve()
+    body = {"model": "base", "input": "Hi", "max_output_tokens": 2, "min_tokens": 5}
+    r = await served.http.post("/v1/responses", json=body)
+    error = assert_openai_error(r, 400)
+    assert error["param"] == "min_tokens" and "at most max_output_tokens (2)" in error["message"]

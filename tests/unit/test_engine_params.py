@@ -459,3 +459,14 @@ def test_top_k_beyond_64_bits_is_refused_before_the_engine() -> None:
         ChatCompletionRequest.model_validate({**body, "top_k": 2**64})
     params = _sampling_params(SamplingSpec(max_tokens=4, top_k=2**63 - 1))
     MsgpackEncoder().encode(params)
+
+
+def test_params_with_another_max_tokens_keep_the_rest() -> None:
+    """A batch's prompts each get their own room: the checked params, resized; the original
+    is left as it was."""
+    schema = {"type": "object"}
+    spec = SamplingSpec(max_tokens=9, seed=3, stop=("x",), constraint=Constraint("json", schema))
+    params = _sampling_params(spec)
+    resized = _manager_on(object()).with_max_tokens(params, 4)
+    assert (resized.max_tokens, params.max_tokens) == (4, 9)
+    assert (resized.seed, resized.stop, resized.structured_outputs) == (3, ["x"], params.structured_outputs)

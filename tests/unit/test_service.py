@@ -304,6 +304,23 @@ async def test_the_servers_max_new_tokens_limits_every_request() -> None:
     assert engine.calls[-1][1].max_tokens == 50
 
 
+async def test_each_prompt_of_a_batch_has_its_own_room() -> None:
+    """As vLLM budgets each prompt: a short prompt is not cut to what a long one leaves."""
+    engine = FakeEngine(max_model_len=100)
+    service, catalog, _ = setup(engine)
+    # "a" is 2 tokens (<bos> a): room 98; the long one 96 tokens: room 4
+    body = {"model": "base-model", "prompt": ["x" * 95, "a", "b"], "n": 2}
+    await (await service.complete(CompletionRequest.model_validate(body), catalog.acquire(None))).collect()
+    assert [(len(ids), spec.max_tokens, spec.n) for ids, spec, _, _ in engine.calls] == [
+        (96, 4, 2),
+        (2, 98, 2),
+        (2, 98, 2),
+    ]
+    body = {"model": "base-model", "prompt": ["a", "x" * 95], "max_tokens": 5}
+    with pytest.raises(ContextLengthExceeded):  # an explicit max_tokens must fit every prompt
+        await service.complete(CompletionRequest.model_validate(body), catalog.acquire(None))
+
+
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 NAMED = {"type": "function", "function": {"name": "f"}}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
