@@ -311,6 +311,8 @@ class ChatCompletionRequest(SamplingFields):
         extra = self.model_extra or {}
         if extra.get("echo") not in (None, False):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
+        if self.tools == []:  # as OpenAI and vLLM
+            raise InvalidRequest("'tools' must not be an empty array; leave it out instead", param="tools")
         return self
 
     @field_validator("messages")

@@ -200,7 +200,8 @@ class ResponsesRequest(BaseModel):
                 )
         if extra.get("n", 1) not in (1, None):
             raise InvalidRequest("a response has one output: 'n' must be 1", param="n")
-        if self.text.format.type != "text" and extra.get("structured_outputs") is not None:
+        # Any text.format beside it, as vLLM refuses it (a "text" one would drop it silently)
+        if "type" in self.text.format.model_fields_set and extra.get("structured_outputs") is not None:
             raise InvalidRequest(
                 "give either 'text.format' or 'structured_outputs', not both", param="structured_outputs"
             )

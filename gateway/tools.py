@@ -40,6 +40,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
 )
+from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
 from gateway.structured import schema_problem, schema_size_problem
@@ -281,7 +282,7 @@ def _template_call(call: ToolCall) -> dict[str, Any]:
     out = call.model_dump()
     try:
         arguments = json.loads(call.function.arguments) if call.function.arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         arguments = {}
     out["function"]["arguments"] = arguments if isinstance(arguments, dict) else {}
     return out
@@ -551,8 +552,8 @@ def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
-        if not isinstance(item, dict) or item.get("name") not in names:
-            return []
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in names:
+            return []  # an answer's {"name": [...]} is no call (nor a 500: a list is unhashable)
         args = item.get("arguments", item.get("parameters", {}))
         try:
             if isinstance(args, str):  # some models write the arguments as a JSON string
@@ -563,7 +564,9 @@ def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
             if strict is not None and not strict.is_valid(args):
                 return []
             calls.append(ParsedCall(item["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)))
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, ArithmeticError, Unresolvable):
+            # ArithmeticError: ``multipleOf`` on a huge integer; Unresolvable: a strict schema's
+            # ``$ref`` to nowhere. Arguments that cannot be shown valid are no strict call.
             return []
     return calls
 
