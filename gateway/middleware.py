@@ -249,7 +249,7 @@ class AuthMiddleware:
 
 # Response headers a browser app may read besides the CORS-safelisted ones: the OpenAI SDKs
 # read x-request-id, and retry-after to pace their retries of a 429 or 503.
-CORS_EXPOSED_HEADERS = ("x-request-id", "x-adapter", "x-adapter-digest", "retry-after")
+CORS_EXPOSED_HEADERS = ("x-request-id", "x-adapter", "x-adapter-digest", "retry-after", "x-should-retry")
 
 
 def cors(origins: list[str]) -> list[Middleware]:
@@ -340,42 +340,53 @@ class Admission:
         than its key's limit by itself is OpenAI's "Request too large": a 429 with no
         ``Retry-After``, as waiting would not help; one that would fit later, a 429 with it.
         Refused, the request keeps what it held (the middleware releases it)."""
+        refused = self.too_large(place, size, what)
+        if refused is not None:
+            return refused
         wanted, size = size, min(size, self.max_inflight)
         more = size - place.size
         if more <= 0:
             return None
         principal = place.principal
         limit = principal.max_concurrency if principal is not None else None
-        refused = None
-        if limit is not None and wanted > limit:
+        retry = {"Retry-After": str(self.retry_after_s)}
+        used = self.per_key.get(principal.name, 0) if principal is not None else 0
+        if self.inflight + more > self.max_inflight:
+            needs = f"{size} sequences ({what})"
+            if wanted > size:
+                needs = f"all {size} sequences the gateway runs or queues at once ({what})"
             refused = RateLimited(
-                f"Request too large for this key: {wanted} sequences ({what}), more than its limit of "
-                f"{limit} in flight. Send fewer prompts or a lower n."
+                f"the gateway is at capacity: this request needs {needs}, "
+                f"{self.max_inflight - self.inflight + place.size} are free",
+                headers=retry,
             )
-        else:
-            retry = {"Retry-After": str(self.retry_after_s)}
-            used = self.per_key.get(principal.name, 0) if principal is not None else 0
-            if self.inflight + more > self.max_inflight:
-                needs = f"{size} sequences ({what})"
-                if wanted > size:
-                    needs = f"all {size} sequences the gateway runs or queues at once ({what})"
-                refused = RateLimited(
-                    f"the gateway is at capacity: this request needs {needs}, "
-                    f"{self.max_inflight - self.inflight + place.size} are free",
-                    headers=retry,
-                )
-            elif limit is not None and used + more > limit:
-                refused = RateLimited(
-                    f"this key may have {limit} sequences in flight and has {used - place.size}; "
-                    f"this request needs {size} ({what})",
-                    headers=retry,
-                )
+        elif limit is not None and used + more > limit:
+            refused = RateLimited(
+                f"this key may have {limit} sequences in flight and has {used - place.size}; "
+                f"this request needs {size} ({what})",
+                headers=retry,
+            )
         if refused is not None:
             self.rejected += 1
             return refused
         self._add(principal, more)
         place.size = size
         return None
+
+    def too_large(self, place: Place, size: int, what: str) -> GatewayError | None:
+        """OpenAI's "Request too large" if ``size`` sequences are more than the key may ever
+        have in flight: checked again in ``grow``, and before a request's prompts are
+        tokenized. ``x-should-retry: false`` keeps the OpenAI SDKs from sending it again."""
+        principal = place.principal
+        limit = principal.max_concurrency if principal is not None else None
+        if limit is None or size <= limit:
+            return None
+        self.rejected += 1
+        return RateLimited(
+            f"Request too large for this key: {size} sequences ({what}), more than its limit of "
+            f"{limit} in flight. Send fewer prompts or a lower n.",
+            headers={"x-should-retry": "false"},
+        )
 
     def _add(self, principal: Principal | None, count: int) -> None:
         self.inflight += count

@@ -80,7 +80,12 @@ async def chat_completions(request: Request) -> Response:
     house = _stream_format(request, ("openai", "house")) == "house"
     body = await read_json(request, ChatCompletionRequest, gw.settings.limits)
     gen = await _generate(
-        request, body.model, body.task, lambda lease: gw.service.chat(body, lease), body.stream or house
+        request,
+        body.model,
+        body.task,
+        lambda lease: gw.service.chat(body, lease),
+        body.stream or house,
+        n=body.n,
     )
     if house:
         _house_can_carry(body, gen)
@@ -139,7 +144,13 @@ async def completions(request: Request) -> Response:
     _stream_format(request, ("openai",))
     body = await read_json(request, CompletionRequest, gw.settings.limits)
     gen = await _generate(
-        request, body.model, body.task, lambda lease: gw.service.complete(body, lease), body.stream
+        request,
+        body.model,
+        body.task,
+        lambda lease: gw.service.complete(body, lease),
+        body.stream,
+        prompts=len(body.prompts),
+        n=body.n,
     )
     if body.stream:
         return _stream(request, gen, OpenAICompletionEncoder(gen, body.include_usage), lambda: body.prompt)
@@ -286,10 +297,14 @@ async def _generate(
     task: str | None,
     start: Callable[[Lease], Awaitable[Generation]],
     stream: bool,
+    *,
+    prompts: int = 1,
+    n: int = 1,
 ) -> Generation:
     """Route the request (a lease on the route's current version) and start it; the lease
     is released if the start fails. ``stream``: whether it asked for a stream (its label in
-    the metrics, a refusal's too)."""
+    the metrics, a refusal's too). ``prompts`` x ``n`` more sequences than the key may ever
+    have in flight are refused before any prompt is tokenized."""
     if request.scope["path"].startswith("/v1/"):
         require_model(model, task)
     principal = _principal(request)
@@ -298,6 +313,7 @@ async def _generate(
     if record is not None:  # a request refused from here on (400) counts under its route
         record.route, record.digest, record.stream = lease.route.name, lease.route.digest, stream
     try:
+        _refuse_too_large(request, prompts, n)
         gen = await start(lease)
     except BaseException:
         lease.release()
@@ -307,6 +323,17 @@ async def _generate(
     return gen
 
 
+def _refuse_too_large(request: Request, prompts: int, n: int) -> None:
+    place: Place | None = request.scope.get("state", {}).get("place")
+    if place is None:
+        return
+    gw = _gateway(request)
+    refused = gw.admission.too_large(place, prompts * n, _what(prompts, n))
+    if refused is not None:
+        gw.metrics.rejected.inc()
+        raise refused
+
+
 def _hold_sequences(request: Request, gen: Generation) -> None:
     """The request's place in admission grows to the sequences the engine will run (its
     prompts x ``n``), or the request is refused (429) before any of them starts."""
@@ -314,14 +341,17 @@ def _hold_sequences(request: Request, gen: Generation) -> None:
     if place is None:
         return
     n, size = gen.sampling.n, gen.num_choices
-    prompts = size // n
-    what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
     gw = _gateway(request)
-    refused = gw.admission.grow(place, size, what)
+    refused = gw.admission.grow(place, size, _what(size // n, n))
     if refused is not None:
         gen.close()
         gw.metrics.rejected.inc()
         raise refused
+
+
+def _what(prompts: int, n: int) -> str:
+    """How a request's sequences add up, for a refusal's message."""
+    return f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
 
 
 def _track(

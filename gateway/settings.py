@@ -450,13 +450,21 @@ def _check_top_level(path: Path) -> None:
             raise ConfigError(f"config: {path}: section names must be strings, not {key!r}")
 
 
+_SECRET_NAME = re.compile(r"api_?key|secret|password|credential|(^|\.)(key|token)$", re.IGNORECASE)
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """The first error in one line, with the rejected value unless it lies under ``auth``:
-    there it may be an API key, and this line goes to stderr and the logs."""
+    """The first error in one line, with the rejected value unless it may be a secret (this
+    line goes to stderr and the logs): under ``auth``, in an unknown field (``server.api_key``
+    as vLLM spells it), or in a field named like one."""
     first = exc.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "settings"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     value = first.get("input")
-    secret = first["loc"][:1] == ("auth",)
+    secret = (
+        first["loc"][:1] == ("auth",)
+        or first["type"] == "extra_forbidden"
+        or _SECRET_NAME.search(field) is not None
+    )
     shown = f" (got {value!r})" if isinstance(value, (str, int, float)) and not secret else ""
     return f"{field}: {first['msg']}{shown}{more}"

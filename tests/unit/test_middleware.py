@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
+import openai
 import pytest
 
 from gateway.errors import EngineFailed
@@ -462,12 +464,39 @@ async def test_a_request_larger_than_its_keys_limit_is_too_large(
         f"Request too large for this key: {what}, more than its limit of 4 in flight. "
         "Send fewer prompts or a lower n."
     )
-    assert "retry-after" not in r.headers
+    assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"  # the SDKs' word
     assert served.engine.calls == [] and served.gw.admission.inflight == 0
     assert served.gw.admission.rejected == 1
     assert served.gw.metrics.registry.get_sample_value("gateway_admission_rejected_total") == 1
     assert (await served.http.post(path, json={**body, **fits}, headers=FOUR)).status_code == 200
     assert (await served.http.post(path, json=body)).status_code == 200  # a key with no limit
+
+
+async def test_too_large_is_refused_before_its_prompts_are_tokenized(serve: Serve) -> None:
+    """A key's limit bounds what its requests cost too: a batch it may never run is refused
+    before 256 prompts are tokenized; and the OpenAI SDK does not send it again."""
+    served = await serve(auth__keys=FOUR_KEYS)
+    encoded: list[str] = []
+    encode = served.engine.tokenizer.encode
+    served.engine.tokenizer.encode = lambda text, add_special_tokens=True: (  # type: ignore[method-assign]
+        encoded.append(text) or encode(text, add_special_tokens)
+    )
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=served.app), base_url="http://gateway.test")
+    client = openai.AsyncOpenAI(base_url="http://gateway.test/v1", api_key=FOUR_KEY, http_client=http)
+    with pytest.raises(openai.RateLimitError, match="Request too large"):
+        await client.completions.create(model="base", prompt=["x" * 1000] * 256, max_tokens=1)
+    await http.aclose()
+    assert encoded == [] and served.gw.admission.rejected == 1  # once: not retried
+    assert served.gw.metrics.registry.get_sample_value("gateway_admission_rejected_total") == 1
+
+
+async def test_too_large_holds_when_the_gateway_runs_one_sequence(serve: Serve) -> None:
+    # With limits.max_inflight 1 a request's size was cut to 1 before its key's limit was read.
+    served = await serve(auth__keys=FOUR_KEYS, limits__max_inflight=1)
+    body = chat_body("base", n=8, temperature=1.0, max_tokens=2)
+    r = await served.http.post("/v1/chat/completions", json=body, headers=FOUR)
+    assert "Request too large" in assert_openai_error(r, 429, "rate_limit_exceeded")["message"]
+    assert served.engine.calls == []
 
 
 async def test_a_request_that_fits_later_gets_a_429_with_retry_after(serve: Serve) -> None:

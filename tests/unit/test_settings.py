@@ -158,6 +158,24 @@ def test_a_rejected_api_key_is_not_echoed(empty_config: str, entry: dict[str, ob
     assert secret not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("server.api_key", "sk-live-SECRET-123456"),  # vLLM's spelling, outside auth: an unknown field
+        ("engine.hf_token", "hf_SECRET123456"),  # any unknown field: its value is unvetted
+    ],
+)
+def test_a_secret_outside_auth_is_not_echoed(empty_config: str, field: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field}: Extra inputs are not permitted") as info:
+        load_settings({"config": empty_config, field: value})
+    assert "SECRET" not in str(info.value)
+
+
+def test_a_rejected_plain_value_is_echoed(empty_config: str) -> None:
+    with pytest.raises(ConfigError, match=r"^limits.default_max_tokens: .* \(got 'many'\)"):
+        load_settings({"config": empty_config, "limits.default_max_tokens": "many"})
+
+
 @pytest.mark.parametrize("key", ["sk-pässwort-0001", "sk-trailing-space ", " sk-leading-space"])
 def test_a_key_no_header_can_carry_is_refused(empty_config: str, key: str) -> None:
     """The header is read as latin-1 and the bearer token stripped: such a key never matches."""
