@@ -179,8 +179,9 @@ class ToolChatEncoder(OpenAIChatEncoder):
         """The end of a choice read whole (``sent``: the part of its content already out)."""
         content, calls = calls_of_answer(self._plan, text, self._parser)
         rest = (content or "")[sent:]
-        if not calls:
-            return self._event(index, {"content": rest} if rest else {}, logprobs, reason)
+        if not calls:  # an empty answer's "" too, as the whole answer has it (the start said null)
+            delta = {"content": rest} if rest or (content == "" and sent == 0) else {}
+            return self._event(index, delta, logprobs, reason)
         out = []
         if rest:
             out.append(self._event(index, {"content": rest}))

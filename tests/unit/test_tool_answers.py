@@ -4,10 +4,13 @@ the answer."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from tests.helpers import assert_openai_error
 from tests.unit.conftest import Serve
@@ -105,3 +108,19 @@ async def test_responses_structured_outputs_beside_any_text_format_is_refused(se
     body = {"model": "base", "input": "yes?", "structured_outputs": {"choice": ["yes", "no"]}}
     answered(await served.http.post("/v1/responses", json=body))
     assert served.engine.calls[-1][1].constraint is not None
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+async def test_an_empty_answer_streams_as_it_is_whole(serve: Serve, tool_choice: str) -> None:
+    # The stream said content null at its start and sent no "" after: the SDK's accumulator
+    # made None of what the whole answer has as "".
+    served = await serve(FakeEngine(words=[""]))
+    body = {"model": "base", "messages": USER, "tools": TOOLS, "tool_choice": tool_choice}
+    whole = (await served.http.post(CHAT, json=body)).json()
+    streamed = await served.http.post(CHAT, json={**body, "stream": True})
+    state = ChatCompletionStreamState()  # type: ignore[var-annotated]
+    for line in streamed.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            state.handle_chunk(ChatCompletionChunk.model_validate(json.loads(line[6:])))
+    assert whole["choices"][0]["message"]["content"] == ""
+    assert state.get_final_completion().choices[0].message.content == ""
