@@ -29,8 +29,15 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway import __version__
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest, null_default_fields
+from gateway.protocol import (
+    MAX_LOGIT_BIAS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    HouseChatRequest,
+    null_default_fields,
+)
 from gateway.responses_api import ResponsesRequest
+from gateway.structured import STRUCTURED_KINDS, STRUCTURED_UNSUPPORTED
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
@@ -44,6 +51,7 @@ _BODY = (400, 408, 413, 415)
 # ... plus, for generation: routing (404), admission (429), engine not ready or draining
 # (503), the engine failing mid-request (500).
 _GENERATE = (404, 429, 500, 503)
+_STORED = (400, 404, 500)  # 500: the response store failed (store_error)
 _DESCRIPTIONS = {
     200: "OK",
     400: "Invalid request",
@@ -107,22 +115,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         _KEYED + _BODY + _GENERATE,
     ),
     ("GET", "/v1/responses/{response_id}"): Operation(
-        "Retrieve a stored response of this key", {JSON: "Response"}, None, _KEYED + (400, 404)
+        "Retrieve a stored response of this key", {JSON: "Response"}, None, _KEYED + _STORED
     ),
     ("DELETE", "/v1/responses/{response_id}"): Operation(
-        "Delete a stored response of this key", {JSON: "DeletedResponse"}, None, _KEYED + (404,)
+        "Delete a stored response of this key", {JSON: "DeletedResponse"}, None, _KEYED + (404, 500)
     ),
     ("GET", "/v1/responses/{response_id}/input_items"): Operation(
         "List a stored response's input items (query: after, before, limit, order)",
         {JSON: "ResponseItemList"},
         None,
-        _KEYED + (400, 404),
+        _KEYED + _STORED,
     ),
     ("POST", "/v1/responses/{response_id}/cancel"): Operation(
         "Cancel a background response: this gateway runs none, so a stored one is a 400",
         {JSON: "Response"},
         None,
-        _KEYED + (400, 404),
+        _KEYED + _STORED,
     ),
     ("POST", "/tokenize"): Operation(
         "Tokenize a prompt or chat messages (vLLM)",
@@ -309,22 +317,41 @@ _JSON_SCHEMA_SPEC = _closed(  # unknown fields are refused (so below)
         strict={"type": ["boolean", "null"]},
     )
 )
+_NULL = {"type": "null"}
+_UNSET = {"enum": [None, False]}  # a field left at its default, as clients that dump vLLM's dataclass send
+
+
+def _format(kind: str, required: Iterable[str] = (), **fields: dict[str, Any]) -> dict[str, Any]:
+    """One ``response_format`` form: its ``type``, its own fields, the others' null."""
+    others = {name: _NULL for name in ("json_schema", "schema") if name not in fields}
+    return _closed(_obj(("type", *required), type=_const(kind), **fields, **others))
+
+
+def _structured(kind: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """One ``structured_outputs`` form: ``kind`` given, every other field unset."""
+    others = {name: _UNSET for name in (*STRUCTURED_KINDS, *STRUCTURED_UNSUPPORTED) if name != kind}
+    return _closed(_obj((kind,), **{kind: schema}, **others))
+
+
 _EXTRA_FIELDS: dict[str, dict[str, Any]] = {
     "response_format": {
         "description": "OpenAI's response_format; the output is constrained to it.",
         "oneOf": [
-            _closed(_obj(("type",), type={"enum": ["text", "json_object"]}, schema=_SCHEMA)),
-            _closed(_obj(("type", "json_schema"), type=_const("json_schema"), json_schema=_JSON_SCHEMA_SPEC)),
+            _format("text"),
+            _format("json_object", schema={"anyOf": [_SCHEMA, _NULL]}),
+            _format("json_schema", ("json_schema",), json_schema=_JSON_SCHEMA_SPEC),
+            _NULL,
         ],
     },
     "structured_outputs": {
         "description": "vLLM's structured outputs: exactly one of json, json_object, regex, choice, grammar.",
         "oneOf": [
-            _only("json", {"type": ["object", "string"]}),
-            _only("json_object", {"const": True}),
-            _only("regex", {"type": "string", "minLength": 1}),
-            _only("choice", {"type": "array", "minItems": 1, "items": _STRING}),
-            _only("grammar", {"type": "string", "minLength": 1}),
+            _structured("json", {"type": ["object", "string"]}),
+            _structured("json_object", {"const": True}),
+            _structured("regex", {"type": "string", "minLength": 1}),
+            _structured("choice", {"type": "array", "minItems": 1, "items": _STRING}),
+            _structured("grammar", {"type": "string", "minLength": 1}),
+            _NULL,
         ],
     },
 }
@@ -338,6 +365,7 @@ def _request_schemas(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     schemas: dict[str, Any] = top.get("$defs", {})
     for name, fields in _TAKES_EXTRAS.items():
         schemas[name]["properties"].update({f: _EXTRA_FIELDS[f] for f in fields})
+    _refine(schemas)
     for model in _with_nested(models):  # null is taken as the default there: the document too
         properties = schemas[model.__name__]["properties"]
         for field in null_default_fields(model):
@@ -345,6 +373,35 @@ def _request_schemas(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
             if not any(option.get("type") == "null" for option in properties[key].get("anyOf", ())):
                 properties[key] = {"anyOf": [properties[key], {"type": "null"}]}
     return schemas
+
+
+# What validators check beyond the models' types, where a schema can say it.
+_LOGIT_BIAS = {
+    "anyOf": [
+        {
+            "type": "object",
+            "description": "token id -> bias added to its logit",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "maxProperties": MAX_LOGIT_BIAS,
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        _NULL,
+    ]
+}
+_REFUSAL_PART = _closed(_obj(("type", "refusal"), type=_const("refusal"), refusal=_STRING))
+
+
+def _refine(schemas: dict[str, Any]) -> None:
+    for schema in schemas.values():
+        if "logit_bias" in schema.get("properties", {}):
+            schema["properties"]["logit_bias"] = _LOGIT_BIAS
+    if "Message" in schemas:  # an assistant's refusal parts are read as its text (a user's: a 400)
+        schemas["RefusalPart"] = {**_REFUSAL_PART, "description": "in assistant messages only"}
+        for option in schemas["Message"]["properties"]["content"]["anyOf"]:
+            if option.get("type") == "array":
+                option["items"] = {"anyOf": [option["items"], {"$ref": REF.format(model="RefusalPart")}]}
+    if "TokenizeRequest" in schemas:  # exactly one of them
+        schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
 
 
 def _with_nested(models: Sequence[type[BaseModel]]) -> list[type[BaseModel]]:

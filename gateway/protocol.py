@@ -348,9 +348,12 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request (vLLM allows 1024)
 
 class CompletionRequest(SamplingFields):
     # The types say what ``_check_prompts`` checks first (with clearer messages), for the schema.
-    prompt: str | list[Text] | list[TokenId] | list[Annotated[list[TokenId], Field(min_length=1)]] = Field(
-        min_length=1
-    )
+    prompt: (
+        str
+        | Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
+        | list[TokenId]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(max_length=MAX_PROMPTS)]
+    ) = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, as vLLM

@@ -32,8 +32,8 @@ from gateway.types import Constraint
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # structured_outputs keys, by what this gateway does with them.
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_NOT_IMPLEMENTED = (
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_UNSUPPORTED = (
     "structural_tag",
     "whitespace_pattern",
     "disable_any_whitespace",
@@ -123,14 +123,14 @@ def parse_structured_outputs(value: Any) -> Constraint | None:
     if not isinstance(value, dict):
         raise InvalidRequest(f"'{param}' must be an object", param=param)
     for key, item in value.items():
-        if key in _NOT_IMPLEMENTED and item not in (None, False):
+        if key in STRUCTURED_UNSUPPORTED and item not in (None, False):
             raise InvalidRequest(f"'{param}.{key}' is not supported by this gateway", param=param)
-        if key not in _KINDS and key not in _NOT_IMPLEMENTED:
+        if key not in STRUCTURED_KINDS and key not in STRUCTURED_UNSUPPORTED:
             raise InvalidRequest(f"unknown field '{param}.{key}'", param=param)
-    given = [k for k in _KINDS if value.get(k) is not None and value.get(k) is not False]
+    given = [k for k in STRUCTURED_KINDS if value.get(k) is not None and value.get(k) is not False]
     if len(given) != 1:
         raise InvalidRequest(
-            f"'{param}' needs exactly one of {', '.join(_KINDS)} (got {len(given)})", param=param
+            f"'{param}' needs exactly one of {', '.join(STRUCTURED_KINDS)} (got {len(given)})", param=param
         )
     kind = given[0]
     item = value[kind]

@@ -6,6 +6,7 @@ the public paths. tests/integration/test_fuzz.py fuzzes the live gateway with it
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,124 @@ async def test_the_document_takes_every_null_the_server_takes(
         jsonschema.validate(None, {**properties[field], "components": components})  # its refs resolve
         r = await served.http.post(path, json={"model": "fake-model", **body, field: None})
         assert r.status_code == 200, (field, r.text)
+
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+COMPLETION = {"model": "fake-model", "prompt": "x", "max_tokens": 2}
+
+
+def _documented(schema: str, body: Any) -> bool:
+    components = build_document(ROUTES, PUBLIC_PATHS)["components"]
+    try:
+        jsonschema.validate(body, {**components["schemas"][schema], "components": components})
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("path", "schema", "body"),
+    [
+        ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "response_format": None}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "structured_outputs": None}),
+        ("/v1/completions", "CompletionRequest", {**COMPLETION, "response_format": None}),
+        ("/chat", "HouseChatRequest", {"model": "fake-model", "question": "x", "response_format": None}),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {**CHAT, "structured_outputs": {"regex": "a", "choice": None}},
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {**CHAT, "structured_outputs": {"json_object": True, "disable_any_whitespace": False}},
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {}},
+                    "schema": None,
+                },
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {
+                **CHAT,
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                    {"role": "user", "content": "y"},
+                ],
+            },
+        ),
+    ],
+)
+async def test_bodies_the_server_takes_are_documented(
+    serve: Serve, path: str, schema: str, body: Any
+) -> None:
+    # The extra fields' null, unset siblings and refusal parts were answered but undocumented.
+    served = await serve()
+    r = await served.http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert _documented(schema, body)
+
+
+@pytest.mark.parametrize(
+    ("path", "schema", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {**CHAT, "response_format": {"type": "text", "schema": {}}},
+        ),
+        ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "logit_bias": {"abc": 1}}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "logit_bias": {"5": 150}}),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {**CHAT, "logit_bias": {str(i): 1 for i in range(301)}},
+        ),
+        ("/v1/completions", "CompletionRequest", {**COMPLETION, "prompt": ["a"] * 257}),
+        ("/v1/completions", "CompletionRequest", {**COMPLETION, "prompt": [[1]] * 257}),
+        ("/tokenize", "TokenizeRequest", {"model": "fake-model"}),
+    ],
+)
+async def test_bodies_the_server_refuses_for_fixed_rules_are_not_documented(
+    serve: Serve, path: str, schema: str, body: Any
+) -> None:
+    served = await serve()
+    assert (await served.http.post(path, json=body)).status_code == 400
+    assert not _documented(schema, body)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "template"),
+    [
+        ("GET", "/v1/responses/resp_1", "/v1/responses/{response_id}"),
+        ("DELETE", "/v1/responses/resp_1", "/v1/responses/{response_id}"),
+        ("GET", "/v1/responses/resp_1/input_items", "/v1/responses/{response_id}/input_items"),
+        ("POST", "/v1/responses/resp_1/cancel", "/v1/responses/{response_id}/cancel"),
+    ],
+)
+async def test_a_store_failure_is_documented(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, method: str, path: str, template: str
+) -> None:
+    served = await serve()
+
+    def locked(*args: Any) -> Any:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(served.gw.responses, "get_now", locked)
+    monkeypatch.setattr(served.gw.responses, "delete_now", locked)
+    r = await served.http.request(method, path)
+    assert_openai_error(r, 500)
+    assert "500" in build_document(ROUTES, PUBLIC_PATHS)["paths"][template][method.lower()]["responses"]
 
 
 def test_security_is_a_key_except_on_public_paths() -> None:
