@@ -400,8 +400,17 @@ def _refine(schemas: dict[str, Any]) -> None:
         for option in schemas["Message"]["properties"]["content"]["anyOf"]:
             if option.get("type") == "array":
                 option["items"] = {"anyOf": [option["items"], {"$ref": REF.format(model="RefusalPart")}]}
-    if "TokenizeRequest" in schemas:  # exactly one of them
-        schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    if "Message" in schemas:  # OpenAI's deprecated form of a call: a 400, send tool_calls
+        schemas["Message"]["properties"]["function_call"] = _NULL
+    if "TokenizeRequest" in schemas:  # exactly one of them (a null one is not given)
+        schemas["TokenizeRequest"]["oneOf"] = [
+            {"required": [name], "properties": {name: {"not": _NULL}}} for name in ("prompt", "messages")
+        ]
+    for option in (
+        schemas.get("ChatCompletionRequest", {}).get("properties", {}).get("tools", {}).get("anyOf", ())
+    ):
+        if option.get("type") == "array":  # as OpenAI and vLLM: leave it out instead
+            option["minItems"] = 1
 
 
 def _with_nested(models: Sequence[type[BaseModel]]) -> list[type[BaseModel]]:

@@ -49,7 +49,8 @@ class _Request(BaseModel):
         for name in self._unsupported:
             if not _harmless(extra.get(name)):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
-        if "best_of" in self._unsupported and extra.get("best_of") == 1 and (getattr(self, "n", 1) or 1) > 1:
+        n = getattr(self, "n", 1) if "n" in type(self).model_fields else 1  # else n is not read
+        if "best_of" in self._unsupported and extra.get("best_of") == 1 and isinstance(n, int) and n > 1:
             raise InvalidRequest("best_of must be at least n", param="best_of")  # as OpenAI
         for name in VLLM_UNIMPLEMENTED:
             if not _asks_nothing(extra.get(name)):

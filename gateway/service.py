@@ -571,6 +571,8 @@ class ChatService:
                 f"min_tokens must be at most {limit_param} ({max_tokens}), got {min_tokens}",
                 param="min_tokens",
             )
+        if max_tokens is not None and cap is not None:  # vLLM: min(room, max_tokens, the limit)
+            max_tokens = min(max_tokens, cap)
         if max_tokens is not None and max_tokens > room:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {context} tokens. However, you requested "

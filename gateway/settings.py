@@ -450,7 +450,7 @@ def _check_top_level(path: Path) -> None:
             raise ConfigError(f"config: {path}: section names must be strings, not {key!r}")
 
 
-_SECRET_NAME = re.compile(r"api_?key|secret|password|credential|(^|\.)(key|token)$", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"api_?key|secret|password|credential|(^|[._])(key|token)$", re.IGNORECASE)
 
 
 def describe_validation_error(exc: ValidationError) -> str:

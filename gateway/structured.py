@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+from referencing import Registry
 
 from gateway.errors import ConfigError, InvalidRequest
 from gateway.types import Constraint
@@ -516,7 +517,7 @@ def _refused_value(node: dict[str, Any], where: str) -> str | None:
     if not others or "$ref" in json.dumps(others):  # a $ref needs the whole schema: not checked
         return None
     try:
-        validator = jsonschema.Draft202012Validator(others)
+        validator = jsonschema.Draft202012Validator(others, registry=Registry())  # no remote fetch
         values = [node["const"]] if keyword == "const" else node["enum"]
         refused = next((v for v in values if not validator.is_valid(v)), _NONE)
     except Exception:  # keywords another draft let through (multipleOf 0...): not judged here

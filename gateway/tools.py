@@ -40,6 +40,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
 )
+from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
@@ -574,7 +575,8 @@ def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
 @lru_cache(maxsize=256)
 def _validator_for(text: str) -> jsonschema.protocols.Validator:
     schema = json.loads(text)
-    return jsonschema.validators.validator_for(schema)(schema)
+    # An empty registry: a remote $ref is Unresolvable (no call), never fetched from here.
+    return jsonschema.validators.validator_for(schema)(schema, registry=Registry())
 
 
 def _strict_validator(fn: FunctionDef) -> jsonschema.protocols.Validator | None:

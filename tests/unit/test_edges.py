@@ -74,6 +74,22 @@ def test_best_of_below_n_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/chat", {"question": "hi", "best_of": 1, "n": "2"}),
+        ("/tokenize", {"model": "base", "prompt": "hi", "best_of": 1, "n": "2"}),
+        ("/detokenize", {"model": "base", "tokens": [104], "best_of": 1, "n": [2]}),
+    ],
+)
+async def test_best_of_beside_an_n_the_endpoint_does_not_read_is_no_500(
+    serve: Serve, path: str, body: dict[str, Any]
+) -> None:
+    # "2" > 1 raised TypeError in the validator: a 500.
+    served = await serve()
+    assert (await served.http.post(path, json=body)).status_code in (200, 400)
+
+
+@pytest.mark.parametrize(
     ("name", "value"),
     [
         ("modalities", ["text", "audio"]),

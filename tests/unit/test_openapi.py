@@ -118,6 +118,11 @@ async def test_the_document_takes_every_null_the_server_takes(
 
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+FUNCTION_CALL = [
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+    {"role": "user", "content": "y"},
+]
 COMPLETION = {"model": "fake-model", "prompt": "x", "max_tokens": 2}
 
 
@@ -137,6 +142,12 @@ def _documented(schema: str, body: Any) -> bool:
         ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "structured_outputs": None}),
         ("/v1/completions", "CompletionRequest", {**COMPLETION, "response_format": None}),
         ("/chat", "HouseChatRequest", {"model": "fake-model", "question": "x", "response_format": None}),
+        (
+            "/tokenize",
+            "TokenizeRequest",
+            {"model": "fake-model", "prompt": None, "messages": [{"role": "user", "content": "x"}]},
+        ),
+        ("/tokenize", "TokenizeRequest", {"model": "fake-model", "prompt": "x", "messages": None}),
         (
             "/v1/chat/completions",
             "ChatCompletionRequest",
@@ -201,6 +212,9 @@ async def test_bodies_the_server_takes_are_documented(
         ("/v1/completions", "CompletionRequest", {**COMPLETION, "prompt": ["a"] * 257}),
         ("/v1/completions", "CompletionRequest", {**COMPLETION, "prompt": [[1]] * 257}),
         ("/tokenize", "TokenizeRequest", {"model": "fake-model"}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "tools": []}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {**CHAT, "messages": FUNCTION_CALL}),
+        ("/tokenize", "TokenizeRequest", {"model": "fake-model", "messages": FUNCTION_CALL}),
     ],
 )
 async def test_bodies_the_server_refuses_for_fixed_rules_are_not_documented(

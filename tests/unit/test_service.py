@@ -299,6 +299,9 @@ async def test_the_servers_max_new_tokens_limits_every_request() -> None:
     with pytest.raises(InvalidRequest) as info:
         await service.chat(chat(min_tokens=5), catalog.acquire(None))
     assert info.value.param == "min_tokens" and "limit on max_tokens (4)" in info.value.message
+    # beyond the context's room (100 tokens): cut to the limit first, as vLLM takes the least
+    await (await service.chat(chat(max_tokens=500), catalog.acquire(None))).collect()
+    assert engine.calls[-1][1].max_tokens == 4
     engine.model_defaults = ModelDefaults(max_tokens=4)  # generation_config.json's: a default only
     await (await service.chat(chat(max_tokens=50), catalog.acquire(None))).collect()
     assert engine.calls[-1][1].max_tokens == 50

@@ -171,6 +171,13 @@ def test_a_secret_outside_auth_is_not_echoed(empty_config: str, field: str, valu
     assert "SECRET" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["hf_token", "access_token", "private_key"])
+def test_a_value_under_a_secret_name_is_not_echoed(empty_config: str, name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"config": empty_config, f"engine.limit_mm_per_prompt.{name}": "hf_SECRETVALUE"})
+    assert "SECRETVALUE" not in str(info.value)
+
+
 def test_a_rejected_plain_value_is_echoed(empty_config: str) -> None:
     with pytest.raises(ConfigError, match=r"^limits.default_max_tokens: .* \(got 'many'\)"):
         load_settings({"config": empty_config, "limits.default_max_tokens": "many"})

@@ -4,7 +4,9 @@ the answer."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -124,3 +126,35 @@ async def test_an_empty_answer_streams_as_it_is_whole(serve: Serve, tool_choice:
             state.handle_chunk(ChatCompletionChunk.model_validate(json.loads(line[6:])))
     assert whole["choices"][0]["message"]["content"] == ""
     assert state.get_final_completion().choices[0].message.content == ""
+
+
+async def test_a_strict_tools_remote_ref_is_never_fetched(serve: Serve) -> None:
+    # jsonschema's default registry fetched it (urlopen, no timeout, on the event loop): any
+    # key could make the gateway call an internal URL, and stall every stream meanwhile.
+    fetched: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            fetched.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"type": "integer"}')
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        served = await serve(FakeEngine(words=['{"name": "f", "arguments": {"a": 1}}']))
+        url = f"http://127.0.0.1:{server.server_address[1]}/internal/secret.json"
+        parameters = {"type": "object", "properties": {"a": {"$ref": url}}}
+        tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": parameters}}]
+        r = await served.http.post(CHAT, json={"model": "base", "messages": USER, "tools": tools})
+        answered(r)
+        assert not r.json()["choices"][0]["message"].get("tool_calls")  # unresolvable: no strict call
+        assert fetched == []
+    finally:
+        server.shutdown()
+        server.server_close()
