@@ -401,7 +401,7 @@ def model_defaults(model_config: Any) -> ModelDefaults:
     diff = model_config.get_diff_sampling_param()
     values: dict[str, Any] = {}
     for name, value in diff.items():
-        if name not in ModelDefaults.__dataclass_fields__ or name == "max_tokens_limit":
+        if name not in ModelDefaults.__dataclass_fields__:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if name in _FLOAT_DEFAULTS and number:

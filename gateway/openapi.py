@@ -400,7 +400,7 @@ def _refine(schemas: dict[str, Any]) -> None:
         for option in schemas["Message"]["properties"]["content"]["anyOf"]:
             if option.get("type") == "array":
                 option["items"] = {"anyOf": [option["items"], {"$ref": REF.format(model="RefusalPart")}]}
-    if "Message" in schemas:  # OpenAI's deprecated form of a call: a 400, send tool_calls
+        # OpenAI's deprecated form of a call: a 400, send tool_calls
         schemas["Message"]["properties"]["function_call"] = _NULL
     if "TokenizeRequest" in schemas:  # exactly one of them (a null one is not given)
         schemas["TokenizeRequest"]["oneOf"] = [

@@ -49,9 +49,6 @@ class _Request(BaseModel):
         for name in self._unsupported:
             if not _harmless(extra.get(name)):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
-        n = getattr(self, "n", 1) if "n" in type(self).model_fields else 1  # else n is not read
-        if "best_of" in self._unsupported and extra.get("best_of") == 1 and isinstance(n, int) and n > 1:
-            raise InvalidRequest("best_of must be at least n", param="best_of")  # as OpenAI
         for name in VLLM_UNIMPLEMENTED:
             if not _asks_nothing(extra.get(name)):
                 raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
@@ -230,6 +227,9 @@ class SamplingFields(_Request):
             )
         if any(not -100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()):
             raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")
+        best_of = (self.model_extra or {}).get("best_of")  # 1 asks nothing, but only for one choice
+        if type(best_of) is int and best_of == 1 and self.n > 1:
+            raise InvalidRequest("best_of must be at least n", param="best_of")  # as OpenAI
         return self
 
     @property

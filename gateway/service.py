@@ -598,9 +598,10 @@ class ChatService:
                 or self._engine.model_defaults.max_tokens
                 or self._limits.default_max_tokens,
                 room,
+                room if cap is None else cap,
             )
             max_tokens = max(default, min_tokens)
-        return max_tokens if cap is None else min(max_tokens, cap)
+        return max_tokens
 
     async def _prepare(self, sampling: SamplingSpec, constraint_param: str) -> Any:
         """The engine's form of ``sampling``; a constraint its grammar backend refuses is
