@@ -13,8 +13,10 @@ named one) become chat's; ``function_call`` input items become an assistant mess
 checks, template and grammar apply. Other tool types (web search, file search, MCP, ...)
 are refused with a 400 naming the tool.
 
-Fields that would change the answer but are not implemented (reasoning, include's
-logprobs, background, conversation, prompt, moderation, ...) are refused with a 400 naming the field,
+``include: ["message.output_text.logprobs"]`` asks chat for logprobs (``top_logprobs``
+alternatives a token); they come back on the message's ``output_text`` part and on its
+stream's text events. Fields that would change the answer but are not implemented
+(reasoning, background, conversation, prompt, moderation, ...) are refused with a 400 naming the field,
 and so are chat's spellings of what the Responses API names otherwise (``max_tokens``,
 ``response_format``, ``messages``, ...), with the field to use. Every other field goes on to
 the chat request, so it is honoured or refused as chat does it: vLLM's sampling extensions
@@ -56,7 +58,7 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
 }
 # ``include`` values: all but the logprobs add what this gateway never makes (reasoning
 # items, tool calls other than functions, images), so they change nothing, as on OpenAI for
-# a model without them.
+# a model without them. The logprobs: ``ResponsesRequest.logprobs``.
 _INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # OpenAI's includable values (the SDK's ``ResponseIncludable``): any other is a 400, as
 # OpenAI answers it, so that a misspelt one is not taken for granted.
@@ -182,10 +184,6 @@ class ResponsesRequest(BaseModel):
             raise InvalidRequest(
                 f"include: unknown value '{unknown[0][:80]}'; expected one of {known}", param="include"
             )
-        if _INCLUDE_LOGPROBS in (include or ()):
-            raise InvalidRequest(
-                f"include: '{_INCLUDE_LOGPROBS}' is not supported by this gateway", param="include"
-            )
         reasoning = extra.get("reasoning")
         if isinstance(reasoning, dict) and reasoning.get("effort") == "none":  # no reasoning: as this model
             reasoning = {**reasoning, "effort": None}
@@ -206,6 +204,15 @@ class ResponsesRequest(BaseModel):
                 "give either 'text.format' or 'structured_outputs', not both", param="structured_outputs"
             )
         return self
+
+    @property
+    def logprobs(self) -> dict[str, Any]:
+        """Chat's logprobs fields for ``include: ["message.output_text.logprobs"]``, with
+        ``top_logprobs`` alternatives a token; without it ``top_logprobs`` is not read, as in
+        vLLM's server."""
+        if _INCLUDE_LOGPROBS not in ((self.model_extra or {}).get("include") or ()):
+            return {}
+        return {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
 
     @property
     def chat_extras(self) -> dict[str, Any]:
@@ -328,6 +335,7 @@ def chat_request(
             temperature=body.temperature,
             top_p=body.top_p,
             stream=body.stream,
+            **body.logprobs,
             **chat_tools(body),
             **body.chat_extras,
         )

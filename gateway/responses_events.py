@@ -9,6 +9,11 @@ completed, incomplete, failed). ``ResponseEventEncoder`` writes OpenAI's typed S
     response.content_part.done, response.output_item.done,
     response.completed (or response.incomplete when max_output_tokens cut it short)
 
+With ``include: ["message.output_text.logprobs"]`` each text delta carries the logprobs of
+its tokens (a token with no text of its own rides on the next delta), the message's
+``output_text`` part and ``response.output_text.done`` all of them (``output_logprobs`` /
+``event_logprobs``: OpenAI's two shapes).
+
 An engine failure after the status line ends the stream with ``response.failed``.
 ``stream_events`` drives it and stores the final Response (``save``) before the last event
 goes out, so a client that reads ``response.completed`` can continue from it at once.
@@ -28,7 +33,7 @@ from gateway.errors import EngineFailed, GatewayError
 from gateway.responses_api import ResponsesRequest, format_echo
 from gateway.service import Collected, Generation
 from gateway.tools import call_id, calls_lead, calls_of_answer
-from gateway.types import StepOutput
+from gateway.types import Chunk, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 Save = Callable[[dict[str, Any]], Awaitable[None]]
@@ -128,13 +133,13 @@ class ResponseDraft:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         return {
             "id": self.message_id,
             "type": "message",
             "status": status,
             "role": "assistant",
-            "content": [] if status == "in_progress" else [text_part(text)],
+            "content": [] if status == "in_progress" else [text_part(text, logprobs)],
         }
 
     def render(
@@ -181,14 +186,17 @@ class ResponseDraft:
     def whole(self, result: Collected) -> dict[str, Any]:
         choice = result.choices[0]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        output = self.items("".join(choice.text), status)
+        output = self.items("".join(choice.text), status, choice.logprobs)
         return self.render(status, output, (result.prompt_tokens, result.completion_tokens))
 
-    def items(self, text: str, status: str) -> list[dict[str, Any]]:
+    def items(
+        self, text: str, status: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[dict[str, Any]]:
         """The output items of a finished answer: its text as a message, and where tools were
-        offered, the function calls read from it (``tools.calls_of_answer``)."""
+        offered, the function calls read from it (``tools.calls_of_answer``). The message
+        carries ``logprobs``, the whole answer's, calls' tokens too (as vLLM's server)."""
         if self.gen.tools.mode == "none":
-            return [self.message(text, status)]
+            return [self.message(text, status, logprobs)]
         parser = self.gen.route.tool_parser
         content, calls = calls_of_answer(self.gen.tools, text, parser)
         # Under ``required`` each call but the last was complete once the next began: the stream
@@ -202,13 +210,39 @@ class ResponseDraft:
         ]
         if content:  # in the order generated
             output.insert(
-                len(output) if calls_lead(self.gen.tools, text, parser) else 0, self.message(content, status)
+                len(output) if calls_lead(self.gen.tools, text, parser) else 0,
+                self.message(content, status, logprobs),
             )
         return output
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": output_logprobs(logprobs)}
+
+
+def _entry(token: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": -9999.0 if logprob is None else logprob}
+
+
+def output_logprobs(items: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """An ``output_text`` part's logprobs: each token with its UTF-8 bytes, and its top
+    alternatives likewise."""
+    return [
+        {
+            **_entry(t.token, t.logprob),
+            "bytes": list(t.token.encode()),
+            "top_logprobs": [{**_entry(s, lp), "bytes": list(s.encode())} for s, lp in t.top],
+        }
+        for t in items or ()
+    ]
+
+
+def event_logprobs(items: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """The text events' logprobs (``response.output_text.delta`` and ``.done``): no bytes."""
+    return [
+        {**_entry(t.token, t.logprob), "top_logprobs": [_entry(s, lp) for s, lp in t.top]}
+        for t in items or ()
+    ]
 
 
 class ResponseEventEncoder:
@@ -218,6 +252,8 @@ class ResponseEventEncoder:
         self.draft = draft
         self.sequence = 0
         self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []  # every token's so far, when asked for
+        self.unsent: list[TokenLogprob] = []  # those not yet on a text delta
         self.finish_reason: str | None = None
         self._where = {"item_id": draft.message_id, "output_index": 0, "content_index": 0}
         head = {"type": "response.output_text.delta", **self._where, "logprobs": []}
@@ -243,12 +279,31 @@ class ResponseEventEncoder:
             )
         )
 
+    def take_logprobs(self, chunk: Chunk) -> None:
+        if chunk.logprobs:
+            self.logprobs += chunk.logprobs
+            self.unsent += chunk.logprobs
+
+    def unsent_logprobs(self) -> list[dict[str, Any]]:
+        """The logprobs for the next text delta: those of the tokens since the last."""
+        out, self.unsent = event_logprobs(self.unsent), []
+        return out
+
     def step(self, step: StepOutput) -> bytes:
         out = []
         for chunk in step.chunks:
             if chunk.finish_reason is not None:
                 self.finish_reason = chunk.finish_reason
-            if chunk.text:
+            self.take_logprobs(chunk)
+            if chunk.text and self.unsent:
+                self.text.append(chunk.text)
+                logprobs = self.unsent_logprobs()
+                out.append(
+                    self.event(
+                        "response.output_text.delta", **self._where, delta=chunk.text, logprobs=logprobs
+                    )
+                )
+            elif chunk.text:
                 self.text.append(chunk.text)
                 out.append(
                     self._delta_prefix
@@ -262,18 +317,18 @@ class ResponseEventEncoder:
 
     def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        return self.draft.render(
-            status, [self.draft.message("".join(self.text), status)], (input_tokens, output_tokens)
-        )
+        message = self.draft.message("".join(self.text), status, self.logprobs)
+        return self.draft.render(status, [message], (input_tokens, output_tokens))
 
     def end(self, response: dict[str, Any]) -> bytes:
         text = "".join(self.text)
         item = response["output"][0]
         last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        logprobs = event_logprobs(self.logprobs)
         return b"".join(
             (
-                self.event("response.output_text.done", **self._where, text=text, logprobs=[]),
-                self.event("response.content_part.done", **self._where, part=text_part(text)),
+                self.event("response.output_text.done", **self._where, text=text, logprobs=logprobs),
+                self.event("response.content_part.done", **self._where, part=item["content"][0]),
                 self.event("response.output_item.done", output_index=0, item=item),
                 self.event(last, response=response),
             )
@@ -283,7 +338,7 @@ class ResponseEventEncoder:
         error = {"code": "server_error", "message": exc.message}
         tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
         failed = self.draft.render(
-            "failed", [self.draft.message("".join(self.text), "incomplete")], tokens, error
+            "failed", [self.draft.message("".join(self.text), "incomplete", self.logprobs)], tokens, error
         )
         return self.event("response.failed", response=failed)
 

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import GatewayError
-from gateway.responses_events import ResponseDraft, ResponseEventEncoder, function_call, item_id, text_part
+from gateway.responses_events import (
+    ResponseDraft,
+    ResponseEventEncoder,
+    event_logprobs,
+    function_call,
+    item_id,
+    text_part,
+)
 from gateway.tools import (
     CALL_OPENERS,
     RequiredCallScanner,
@@ -33,7 +40,7 @@ from gateway.tools import (
     calls_of_answer,
     settled_content,
 )
-from gateway.types import Chunk, StepOutput
+from gateway.types import Chunk, StepOutput, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -46,9 +53,9 @@ class _Item:
     announced: bool = False  # output_item.added went out
     closed: bool = False  # output_item.done went out
 
-    def render(self, draft: ResponseDraft, status: str) -> dict[str, Any]:
-        if self.kind == "message":
-            return draft.message("".join(self.parts), status)  # its id is the draft's message_id
+    def render(self, draft: ResponseDraft, status: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        if self.kind == "message":  # its id is the draft's message_id; logprobs: the answer's
+            return draft.message("".join(self.parts), status, logprobs)
         return function_call(self.id, self.call_id, self.name, "".join(self.parts), status)
 
 
@@ -77,7 +84,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
 
     def _announce(self, index: int, item: _Item) -> bytes:
         item.announced = True
-        added = item.render(self.draft, "in_progress")
+        added = item.render(self.draft, "in_progress", [])
         out = self.event("response.output_item.added", output_index=index, item=added)
         if item.kind == "message":
             where = {"item_id": item.id, "output_index": index, "content_index": 0}
@@ -97,7 +104,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
                 output_index=index,
                 content_index=0,
                 delta=piece,
-                logprobs=[],
+                logprobs=self.unsent_logprobs(),
             )
         return self.event(
             "response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=piece
@@ -110,8 +117,11 @@ class ResponseToolEncoder(ResponseEventEncoder):
                 text = "".join(item.parts)
                 if item.kind == "message":
                     where = {"item_id": item.id, "output_index": index, "content_index": 0}
-                    out = self.event("response.output_text.done", **where, text=text, logprobs=[])
-                    out += self.event("response.content_part.done", **where, part=text_part(text))
+                    logprobs = event_logprobs(self.logprobs)
+                    out = self.event("response.output_text.done", **where, text=text, logprobs=logprobs)
+                    out += self.event(
+                        "response.content_part.done", **where, part=text_part(text, self.logprobs)
+                    )
                 else:
                     out = self.event(
                         "response.function_call_arguments.done",
@@ -120,7 +130,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
                         name=item.name,
                         arguments=text,
                     )
-                done = item.render(self.draft, status)
+                done = item.render(self.draft, status, self.logprobs)
                 return out + self.event("response.output_item.done", output_index=index, item=done)
         return b""
 
@@ -145,6 +155,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
     def _chunk(self, c: Chunk) -> bytes:
         if c.finish_reason is not None:
             self.finish_reason = c.finish_reason
+        self.take_logprobs(c)
         if not c.text:
             return b""
         if self.plan.mode == "named":
@@ -196,7 +207,10 @@ class ResponseToolEncoder(ResponseEventEncoder):
                 lead = calls_lead(self.plan, held, self.parser)
                 self.items.insert(len(self.items) if lead else len(self.items) - len(calls), message)
         # An item closed because the next one opened was complete; the rest end with the answer.
-        output = [item.render(self.draft, "completed" if item.closed else status) for item in self.items]
+        output = [
+            item.render(self.draft, "completed" if item.closed else status, self.logprobs)
+            for item in self.items
+        ]
         return self.draft.render(status, output, (input_tokens, output_tokens))
 
     def end(self, response: dict[str, Any]) -> bytes:
@@ -217,5 +231,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
     def error(self, exc: GatewayError) -> bytes:
         error = {"code": "server_error", "message": exc.message}
         tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
-        output = [item.render(self.draft, "incomplete") for item in self.items if item.announced]
+        output = [
+            item.render(self.draft, "incomplete", self.logprobs) for item in self.items if item.announced
+        ]
         return self.event("response.failed", response=self.draft.render("failed", output, tokens, error))

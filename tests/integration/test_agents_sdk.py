@@ -64,3 +64,21 @@ async def test_a_streamed_agent_run_calls_the_tool(client: openai.AsyncOpenAI) -
     kinds = [event.type async for event in run.stream_events()]
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
     assert len(seen) == 1 and run.final_output == f"22 C and sunny in {seen[0]}"
+
+
+async def test_top_logprobs_come_back_on_the_message(client: openai.AsyncOpenAI) -> None:
+    """``ModelSettings.top_logprobs`` makes the SDK include the output text's logprobs. The
+    json adapter ends its answer on its own (the SDK refuses an incomplete response)."""
+    agent = agents.Agent(
+        name="plain",
+        model=agents.OpenAIResponsesModel(model="json", openai_client=client),
+        model_settings=agents.ModelSettings(top_logprobs=2, max_tokens=200),
+    )
+    result = await agents.Runner.run(agent, "name: Ada, age: 36")
+    (message,) = [item for item in result.raw_responses[-1].output if item.type == "message"]
+    part = message.content[0]
+    assert part.type == "output_text" and part.logprobs
+    # the stop token has its logprob too, as under vLLM's server
+    joined = "".join(lp.token for lp in part.logprobs).removesuffix("<end_of_turn>")
+    assert joined == part.text == result.final_output
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)

@@ -112,6 +112,44 @@ def test_stream_get_final_response(client: openai.OpenAI) -> None:
     assert client.responses.retrieve(final.id).output_text == text  # stored when streamed too
 
 
+def test_logprobs_match_chat_and_stream(client: openai.OpenAI, base_model: str) -> None:
+    """``include`` logprobs: the same tokens and numbers as chat's for the same greedy
+    prompt, and the stream's deltas carry them one token at a time."""
+    asked: Any = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = client.responses.create(model=base_model, input=QUESTION, max_output_tokens=8, temperature=0, **asked)
+    part = r.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert r.usage is not None and len(part.logprobs) == r.usage.output_tokens > 0
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    for lp in part.logprobs:
+        assert lp.logprob <= 0 and bytes(lp.bytes).decode() == lp.token and len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+    chat = client.chat.completions.create(
+        model=base_model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert [lp.token for lp in part.logprobs] == [c.token for c in content]
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    events = list(
+        client.responses.create(
+            model=base_model, input=QUESTION, max_output_tokens=8, temperature=0, stream=True, **asked
+        )
+    )
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for d in deltas for lp in d.logprobs] == [lp.token for lp in part.logprobs]
+    assert all(len(lp.top_logprobs or ()) == 2 for d in deltas for lp in d.logprobs)
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    streamed = last.response.output[0].content[0]  # type: ignore[union-attr]
+    assert streamed.type == "output_text" and streamed.logprobs == part.logprobs
+
+
 def test_previous_response_id_continues_and_other_keys_cannot(
     client: openai.OpenAI, other: openai.OpenAI, base_model: str
 ) -> None:

@@ -466,8 +466,6 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include"),
         ({"include": "reasoning.encrypted_content"}, "include"),
         ({"reasoning": {"effort": "none", "summary": "auto"}}, "reasoning"),
         ({"background": True}, "background"),
