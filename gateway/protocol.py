@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -57,12 +58,30 @@ class _Request(BaseModel):
                 raise InvalidRequest(
                     f"{name}: only {str(default).lower()} is supported by this gateway", param=name
                 )
-        if extra.get("add_generation_prompt") is False:  # vLLM's default, true, is what the gateway does
+        if not _generation_prompt(
+            extra.get("add_generation_prompt")
+        ):  # vLLM's default, true, is what it does
             raise InvalidRequest(
                 "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
             )
         _refuse_openai_chat_options(extra)
         return self
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def _generation_prompt(value: Any) -> bool:
+    """Unset, or true as vLLM's request model reads a bool (``"false"``, ``0`` and ``"off"``
+    are false there too); a value that is no bool is a 400."""
+    if value is None:
+        return True
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        raise InvalidRequest(
+            f"add_generation_prompt must be a boolean, not {str(value)[:40]!r}", param="add_generation_prompt"
+        ) from None
 
 
 def _refuse_openai_chat_options(extra: dict[str, Any]) -> None:

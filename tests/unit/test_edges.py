@@ -508,3 +508,15 @@ async def test_the_min_tokens_error_on_responses_names_max_output_tokens(serve: 
     r = await served.http.post("/v1/responses", json=body)
     error = assert_openai_error(r, 400)
     assert error["param"] == "min_tokens" and "at most max_output_tokens (2)" in error["message"]
+
+
+@pytest.mark.parametrize("value", [False, "false", "False", 0, "0", "no", "off", "f", "maybe", [], {}, 2])
+def test_add_generation_prompt_false_in_any_spelling_or_no_bool_is_a_400(value: Any) -> None:
+    """vLLM's request model reads ``"false"``, ``0`` and ``"off"`` as false (and leaves the
+    generation prompt out): refused as ``false`` is, not answered with it."""
+    assert refused(chat, add_generation_prompt=value) == "add_generation_prompt"
+
+
+@pytest.mark.parametrize("value", [True, "true", 1, "yes", "on", None])
+def test_add_generation_prompt_true_in_any_spelling_is_the_default(value: Any) -> None:
+    assert chat(add_generation_prompt=value).n == 1
