@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ def prepare_embedded_model(cache_dir: Path, *, force: bool = False) -> Path:
     """Return a ready transformers directory for the embedded model, building it if needed."""
     target = embedded_model_dir(cache_dir)
     if is_prepared(target) and not force:
+        if install_template(target, TEMPLATE_PATH.read_text()):  # a gateway upgrade changed it
+            log.info("embedded model's chat template updated from %s", TEMPLATE_PATH)
         log.info("embedded model ready at %s", target)
         return target
     try:
@@ -145,6 +148,28 @@ def fix_tokenizer(model_dir: Path, chat_template: str) -> None:
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     cfg["add_bos_token"] = True
     cfg["add_eos_token"] = False
-    cfg["chat_template"] = chat_template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
-    (model_dir / "chat_template.jinja").write_text(chat_template)
+    install_template(model_dir, chat_template)
+
+
+def install_template(model_dir: Path, chat_template: str) -> bool:
+    """Make ``chat_template`` the model's (``tokenizer_config.json`` and
+    ``chat_template.jinja``, as transformers saves it); False when it already is. A prepared
+    model gets the template of the gateway that serves it, not that of the one that prepared
+    it, without preparing it again."""
+    file = model_dir / "chat_template.jinja"
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    if file.is_file() and file.read_text() == chat_template and cfg.get("chat_template") == chat_template:
+        return False
+    cfg["chat_template"] = chat_template
+    # each file replaced whole: another gateway on this cache may be reading it
+    _replace(cfg_path, json.dumps(cfg, indent=2, ensure_ascii=False))
+    _replace(file, chat_template)
+    return True
+
+
+def _replace(path: Path, text: str) -> None:
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)

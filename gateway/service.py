@@ -65,6 +65,7 @@ from gateway.types import (
 # with py-spy at 256 streams); below this size it is cheaper than a thread hop, above it
 # it runs in the tokenizing thread so the event loop keeps streaming other requests' tokens.
 _THREAD_TOKENIZE_CHARS = 256
+_MESSAGE_CHARS = 16  # a message's cost to render beside its text, as characters (``_size``)
 # Decoding is cheaper per token (1,000,000 ids: 0.33 s); below this many, on the loop.
 _THREAD_DECODE_IDS = 4096
 T = TypeVar("T")
@@ -311,7 +312,7 @@ class ChatService:
         prompt_ids = await self._tokenize(
             lambda: self._fits(self._chat_text(messages, template, tools), "messages"),
             request.add_special_tokens,
-            size=_size(messages),
+            size=_size(request.messages, route, tools),
         )
         limit, logprobs = request.token_limit, request.num_logprobs
         if limit_param is None:
@@ -385,7 +386,7 @@ class ChatService:
         return await self._tokenize(
             lambda: self._chat_text(messages, template, **template_kwargs),
             add_special_tokens,
-            size=_size(messages),
+            size=_size(text, route),
             background=True,
         )
 
@@ -755,5 +756,16 @@ def _over_context(context: int, tokens: str, param: str) -> ContextLengthExceede
     )
 
 
-def _size(messages: list[dict[str, Any]]) -> int:
-    return sum(len(m["content"]) for m in messages)
+def _size(messages: list[Message], route: Route, tools: list[dict[str, Any]] | None = None) -> int:
+    """About how much the chat template reads, in characters, for ``_THREAD_TOKENIZE_CHARS``:
+    each message's text and calls, and a little for each message (thousands of empty turns
+    still take long to render), and the route's system prompt. Offered tools always count as
+    large: the template writes each one out as JSON."""
+    if tools:
+        return _THREAD_TOKENIZE_CHARS + 1
+    size = len(route.system_prompt or "")
+    for m in messages:
+        size += _MESSAGE_CHARS + len(m.text)
+        for call in m.tool_calls or ():
+            size += len(call.function.name) + len(call.function.arguments)
+    return size

