@@ -627,10 +627,28 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
             top = max(top, n)
         offset = top
         merged["notes"] += [f"run {i + 1} ({r['meta'].get('date')}): {n}" for n in r.get("notes", [])]
+    merged["meta"] = _merged_meta([r["meta"] for r in results])
     merged["notes"].append(f"merged from {len(results)} runs; meta (versions, gateway sha) of the first")
     merged.pop("comparison", None)
     merged.pop("goals", None)
     return merged
+
+
+def _merged_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's meta, with every run's mixes, concurrencies and their requests and
+    shapes: runs of different points make one report of them all."""
+    meta = {**metas[0]}
+    mixes = list(dict.fromkeys(mix for m in metas for mix in m.get("mixes", ())))
+    meta["mixes"] = mixes
+    meta["concurrencies"] = sorted({c for m in metas for c in m.get("concurrencies", ())})
+    for key in ("requests", "mix_shapes"):
+        meta[key] = {k: v for m in metas for k, v in (m.get(key) or {}).items()}
+    per_mix: dict[str, list[int]] = {}
+    for m in metas:
+        for mix, cs in (m.get("mix_concurrencies") or {}).items():
+            per_mix[mix] = sorted({*per_mix.get(mix, []), *cs})
+    meta["mix_concurrencies"] = per_mix
+    return meta
 
 
 def main(argv: list[str] | None = None) -> None:

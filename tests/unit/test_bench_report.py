@@ -101,6 +101,28 @@ def test_merge_keeps_each_pair_within_its_run() -> None:
     assert row["tok_ratio_paired"][0] == pytest.approx(1.05)
 
 
+def test_merge_of_runs_at_other_points_reports_every_point() -> None:
+    """A run of lora16 at 256 streams, then one of base at 256 and lora16 at 64: the report
+    of both has all three points (the first run's meta alone listed only its own)."""
+    first = _result(vllm=[10.0], gateway=[12.0])
+    first["meta"] = {"mixes": ["lora16"], "concurrencies": [256], "mix_concurrencies": {"lora16": [256]}}
+    for p in first["points"]:
+        p.update(mix="lora16", concurrency=256)
+    second = _result(vllm=[20.0, 30.0], gateway=[24.0, 33.0])
+    second["meta"] = {
+        "mixes": ["base", "lora16"],
+        "concurrencies": [64, 256],
+        "mix_concurrencies": {"base": [256], "lora16": [64]},
+    }
+    for p, (mix, c) in zip(second["points"], [("base", 256), ("lora16", 64)] * 2, strict=True):
+        p.update(mix=mix, concurrency=c)
+    merged = report.merge([first, second])
+    assert merged["meta"]["mixes"] == ["lora16", "base"] and merged["meta"]["concurrencies"] == [64, 256]
+    assert merged["meta"]["mix_concurrencies"] == {"lora16": [64, 256], "base": [256]}
+    rows = {(r["mix"], r["concurrency"]): r["tok_ratio"] for r in report.compare(merged)}
+    assert rows == pytest.approx({("lora16", 64): 33 / 30, ("lora16", 256): 1.2, ("base", 256): 1.2})
+
+
 def test_the_ratio_uses_only_the_passes_both_servers_ran() -> None:
     """--budget-s (or a failed pass) left gateway pass 2 without its vLLM pass: on a machine
     slowing 30 % between pairs, mixing it into the mean read 0.85x for equal servers."""
