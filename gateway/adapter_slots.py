@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gateway.adapters_check import weights_file
-from gateway.catalog import Route
+from gateway.catalog import Route, versioned_name
 from gateway.embedded import EMBEDDED_DIMS, embedded_model_dir
 from gateway.errors import ConfigError, GatewayError
 from gateway.lora_scheduler import LoraScheduler
@@ -307,10 +307,10 @@ class AdapterSlots:
 
     async def _preload(self, route: Route) -> None:
         """One token on the adapter: its weights and kernels are warm before a user asks.
-        The warm-up runs under ``name@digest``, never the route name, so it never shares
-        a name with a draining older version in one batch."""
+        The warm-up runs under ``versioned_name``, never the route name, so it never shares
+        a name with another version in one batch."""
         assert route.lora is not None and route.digest is not None
-        lora = replace(route.lora, name=f"{route.name}@{route.digest[:12]}")
+        lora = replace(route.lora, name=versioned_name(route))
         params = self.engine.prepare(SamplingSpec(max_tokens=1, temperature=0.0))
         prompt = self.engine.tokenizer.encode("Hello")
         t0 = time.perf_counter()

@@ -436,6 +436,14 @@ class Lease:
             self._catalog._release(self.route)
 
 
+def versioned_name(route: Route) -> str:
+    """A LoRA route's engine name where its plain name may be another version's:
+    ``name@<digest>.<id>``. The digest says which files; the id tells apart versions of the
+    same files (a pin is part of a version: pinned and unpinned, they are two)."""
+    assert route.lora is not None and route.digest is not None
+    return f"{route.name}@{route.digest[:12]}.{route.lora.lora_id}"
+
+
 class Catalog:
     """The live routing table, swapped atomically; old LoRA versions drain, then leave."""
 
@@ -474,11 +482,11 @@ class Catalog:
     def _unique_engine_name(self, route: Route, lora_id: int) -> Route:
         """vLLM tells LoRA requests apart by name within a batch (``LoRARequest.__eq__``),
         so two versions of one route must not run under the same name: while an older
-        version still drains, the new one runs as ``name@digest``."""
+        version still drains, the new one runs as ``versioned_name``."""
         if route.lora is None or route.digest is None:
             return route
         if any(n == route.name and i != lora_id for n, i in self._versions_in_use):
-            return replace(route, lora=replace(route.lora, name=f"{route.name}@{route.digest[:12]}"))
+            return replace(route, lora=replace(route.lora, name=versioned_name(route)))
         return route
 
     def _release(self, route: Route) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,7 @@ async def test_preload_warms_with_one_token_under_a_versioned_name() -> None:
     await s.register(lora_route("json", 3, preload=True))
     (prompt, spec, request_id, lora) = engine.calls[0]
     assert spec.max_tokens == 1 and prompt and request_id == "preload-json-3"
-    assert lora is not None and lora.lora_id == 3 and lora.name == "json@" + "03" * 6
+    assert lora is not None and lora.lora_id == 3 and lora.name == "json@" + "03" * 6 + ".3"
 
 
 async def test_setting_preload_on_a_loaded_adapter_warms_it_once() -> None:
@@ -320,13 +321,39 @@ def test_two_versions_of_a_route_never_share_an_engine_name() -> None:
     assert on_old.route.lora is not None and on_old.route.lora.name == "shout"
     catalog.table = RoutingTable(Route("b", "base"), {"shout": new}, {})
     during = catalog.acquire("shout")
-    assert during.route.lora == LoraSpec("shout@" + "02" * 6, 2, "/a/shout")
+    assert during.route.lora == LoraSpec("shout@" + "02" * 6 + ".2", 2, "/a/shout")
     assert during.route.name == "shout"  # the route (metrics, headers) keeps its name
     on_old.release()
     after = catalog.acquire("shout")
     assert after.route.lora is not None and after.route.lora.name == "shout"
     during.release()
     after.release()
+    assert catalog.in_use() == {}
+
+
+def test_versions_of_the_same_files_never_share_an_engine_name() -> None:
+    """Pinning makes a new version of the same files (same digest, new id); unpinning while
+    both still run brings the first id back. Named by digest alone, ids 1 and 3 both ran as
+    shout@<digest>: vLLM keeps one of two requests of one name in a batch's adapter set, and
+    the batch's mapping then names an adapter not in it (the engine dies)."""
+    digest = "ab" * 32
+    v1 = replace(lora_route("shout", 1), digest=digest)
+    v3 = replace(lora_route("shout", 3, pinned=True), digest=digest)
+    catalog = Catalog(lambda ids: RoutingTable(Route("b", "base"), {"shout": v1}, {}))
+    catalog.table = RoutingTable(Route("b", "base"), {"shout": v1}, {})
+    leases = [catalog.acquire("shout")]
+    catalog.table = RoutingTable(Route("b", "base"), {"shout": v3}, {})
+    leases.append(catalog.acquire("shout"))
+    catalog.table = RoutingTable(Route("b", "base"), {"shout": v1}, {})
+    leases.append(catalog.acquire("shout"))
+    ids_by_name: dict[str, set[int]] = {}
+    for lease in leases:
+        assert lease.route.lora is not None
+        ids_by_name.setdefault(lease.route.lora.name, set()).add(lease.route.lora.lora_id)
+    assert all(len(ids) == 1 for ids in ids_by_name.values()), ids_by_name
+    assert sorted(ids_by_name) == ["shout", "shout@abababababab.1", "shout@abababababab.3"]
+    for lease in leases:
+        lease.release()
     assert catalog.in_use() == {}
 
 
