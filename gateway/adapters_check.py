@@ -252,12 +252,23 @@ def _read_config(adapter: str, config: object) -> tuple[int, list[str] | str, di
     ranks = config.get("rank_pattern") or {}
     if not isinstance(ranks, dict) or not all(type(r) is int and r >= 1 for r in ranks.values()):
         raise invalid(f"'rank_pattern' must map module patterns to positive integers, got {ranks!r}")
-    for key in ranks:
-        try:
-            re.compile(key)
-        except re.error as exc:
-            raise invalid(f"'rank_pattern' key {key!r} is not a regex: {exc}") from None
+    alphas = config.get("alpha_pattern") or {}
+    for field, keys in (
+        ("rank_pattern", ranks),
+        ("alpha_pattern", alphas if isinstance(alphas, dict) else {}),
+    ):
+        for key in keys:
+            try:  # as PEFT and vLLM match it: a flag like (?i) is valid alone, not there
+                _pattern(key)
+            except re.error as exc:
+                raise invalid(f"'{field}' key {key!r} is not a regex: {exc}") from None
     return rank, targets, ranks
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    """A ``rank_pattern`` / ``alpha_pattern`` key as PEFT and vLLM match it: the module's
+    path ends in it at a ``.`` boundary."""
+    return re.compile(rf"(.*\.)?({key})$")
 
 
 def _module_rank(module: str, rank: int, ranks: dict[str, int]) -> int:
@@ -266,7 +277,7 @@ def _module_rank(module: str, rank: int, ranks: dict[str, int]) -> int:
     vLLM matches the same way."""
     name = module.removeprefix("base_model.model.")
     for key, value in ranks.items():
-        if re.match(rf"(.*\.)?({key})$", name):
+        if _pattern(key).match(name):
             return value
     return rank
 

@@ -212,6 +212,10 @@ def load_table(
         except (ConfigError, ValidationError, OSError) as exc:  # OSError: files that changed mid-check
             errors[label] = _one_line(exc)  # logged by the catalog, once while it holds (``_log_news``)
             continue
+        except Exception as exc:  # a check that failed on this entry's files: its rejection only
+            log.exception("catalog entry %s could not be checked", label)
+            errors[label] = f"could not be checked: {_one_line(exc)}"
+            continue
         taken.update([route.name, *route.aliases])
         taken_tasks.update(route.tasks)
         routes[route.name] = route

@@ -178,6 +178,10 @@ def test_rank_pattern_ranks_that_fit_are_accepted_and_capped(tmp_path: Path, mod
         ({"target_modules": [["q_proj"]]}, "'target_modules' must be"),
         ({"rank_pattern": {"v_proj": 0}}, "'rank_pattern' must map"),
         ({"rank_pattern": {"(": 4}}, "'rank_pattern' key '(' is not a regex"),
+        # valid alone, not inside the pattern PEFT and vLLM match with: it raised out of the
+        # reload (a 500) and stopped the gateway's start
+        ({"rank_pattern": {"(?i)q_proj": 4}}, "'rank_pattern' key '(?i)q_proj' is not a regex"),
+        ({"alpha_pattern": {"(?i)q_proj": 4}}, "'alpha_pattern' key '(?i)q_proj' is not a regex"),
     ],
 )
 def test_a_malformed_config_rejects_its_entry_only(
@@ -187,6 +191,30 @@ def test_a_malformed_config_rejects_its_entry_only(
     table = beside_a_good_one(tmp_path, "bad", model)
     assert set(table.routes) == {"good"}
     assert "adapter_config.json is invalid" in table.errors["bad"] and why in table.errors["bad"]
+
+
+def test_a_check_that_fails_unexpectedly_rejects_its_entry_only(
+    tmp_path: Path, model: ModelShapes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a check (an error it does not expect, on one adapter's files) must not fail
+    the whole reload (a 500) or the gateway's start: that entry is rejected, and logged."""
+    from gateway import catalog
+
+    real = catalog.check_adapter
+
+    def check(path: Path, *args: Any, **kw: Any) -> Any:
+        if path.name == "bad":
+            raise KeyError("something unforeseen")
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(catalog, "check_adapter", check)
+    adapter(tmp_path, Q, name="bad")
+    table = beside_a_good_one(tmp_path, "bad", model)
+    assert set(table.routes) == {"good"}
+    assert (
+        table.errors["bad"].startswith("could not be checked: ")
+        and "something unforeseen" in table.errors["bad"]
+    )
 
 
 def test_a_config_that_is_not_an_object_is_invalid(tmp_path: Path) -> None:
