@@ -202,7 +202,10 @@ class GatewayMetrics:
         self._routes: frozenset[str] = frozenset()
 
     def set_routes(self, names: frozenset[str]) -> None:
-        self._routes = names
+        """The catalog's routes, added to those it had: a request admitted on a route that a
+        reload then renamed or removed is counted under the route that served it (the names
+        are the operator's, never a client's, so the labels stay bounded)."""
+        self._routes = self._routes | names
 
     def route_label(self, name: str | None) -> str:
         return name if name is not None and name in self._routes else UNKNOWN

@@ -152,7 +152,13 @@ class Gateway:
         )
 
     async def reload_catalog(self) -> bool:
+        """Read the catalog again (the watcher, SIGHUP, the admin endpoint). Not while
+        draining: adapters loaded and warmed in an engine about to stop, which the drain
+        does not wait for (False, and a log line)."""
         catalog = self.catalog_or_503()
+        if self.admission.draining:
+            log.info("catalog reload skipped: the gateway is draining")
+            return False
         ok = await catalog.reload()
         self.metrics.reloads.labels("ok" if ok else "error").inc()
         if ok:  # no await since the swap: no request has been counted under the new table

@@ -19,7 +19,7 @@ from gateway.metrics import RequestRecord
 from gateway.responses import SSEResponse
 from gateway.server import DrainingServer
 from tests.helpers import assert_openai_error, chat_body, eventually_async
-from tests.unit.conftest import ADMIN, Serve
+from tests.unit.conftest import ADMIN, Serve, make_adapter
 from tests.unit.fakes import FakeEngine
 from tests.unit.test_routes import sse_data
 
@@ -152,3 +152,21 @@ async def test_an_admin_reload_while_draining_is_a_503(serve: Serve) -> None:
     assert r.headers["retry-after"] == "1"
     assert served.gw.catalog is not None and served.gw.catalog.reloads == reloads
     assert (await served.http.get("/admin/status", headers=ADMIN)).json()["draining"] is True
+
+
+async def test_sighup_or_a_file_change_does_not_reload_while_draining(serve: Serve, tmp_path: Any) -> None:
+    """As the admin endpoint: no adapter loaded or warmed in an engine about to stop, which
+    the drain does not wait for (the watcher's reloads, SIGHUP's too, go through here)."""
+    served = await serve()
+    gw = served.gw
+    assert gw.catalog is not None
+    make_adapter(tmp_path / "adapters", "fresh")
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(catalog.read_text() + "  - {name: fresh, adapter: fresh, preload: true}\n")
+    reloads = gw.catalog.reloads
+    gw.admission.draining = True
+    assert await gw.reload_catalog() is False
+    assert gw.catalog.reloads == reloads and "fresh" not in gw.catalog.table.routes
+    assert not any(request_id.startswith("preload-") for _, _, request_id, _ in served.engine.calls)
+    gw.admission.draining = False  # (never so in production) the same file reloads otherwise
+    assert await gw.reload_catalog() is True and "fresh" in gw.catalog.table.routes

@@ -826,6 +826,26 @@ async def test_a_request_refused_after_routing_counts_under_its_route(
         assert registry.get_sample_value("gateway_requests_total", labels) == 1, labels
 
 
+async def test_a_request_on_a_route_a_reload_renamed_counts_under_the_route_that_served_it(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """Admitted on ``shout``, finished after a reload renamed it ``yell``: its headers and log
+    say ``shout``, and so does /metrics (it said ``unknown``)."""
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate))
+    task = asyncio.create_task(served.http.post("/v1/chat/completions", json=chat_body("shout")))
+    await eventually_async(lambda: len(served.engine.calls) == 1, 5, "the request in the engine")
+    (tmp_path / "adapters.yaml").write_text("routes:\n  - {name: yell, adapter: shout}\n")
+    assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+    gate.set()
+    r = await task
+    assert r.status_code == 200 and r.headers["x-adapter"] == "shout"
+    registry = served.gw.metrics.registry
+    labels = {"route": "shout", "status": "200", "stream": "false"}
+    assert registry.get_sample_value("gateway_requests_total", labels) == 1
+    assert registry.get_sample_value("gateway_requests_total", {**labels, "route": "unknown"}) is None
+
+
 async def test_every_status_the_gateway_sends_on_inference_paths_has_its_own_label(serve: Serve) -> None:
     """415 (README's status list) was counted as status "other"."""
     served = await serve()
