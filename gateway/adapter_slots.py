@@ -30,6 +30,7 @@ Once it has held more, which ones are is not known: ``"loaded"``, until a restar
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -62,6 +63,11 @@ PIN_REFUSED = (
 PIN_WAITING = (
     "not pinned yet: engine.max_loras - 1 adapters are pinned and one slot must stay free; it is "
     "pinned when a pinned version leaves the engine"
+)
+
+PIN_COMING = (
+    "not pinned yet: more adapters run than the GPU slots a pin leaves them; it is pinned once "
+    "they fit (no new adapter takes its slot meanwhile)"
 )
 
 CPU_CACHE_SHARE = 0.1  # of host memory that the adapters' CPU cache may take when sized here
@@ -206,6 +212,9 @@ class AdapterSlots:
         self.pinned: set[int] = set()
         # Pins refused for want of a free slot, in order: retried when a pinned version leaves.
         self.pins_waiting: dict[int, Route] = {}
+        # Pins waiting, in the background, for the adapters running beside them to fit the
+        # slots left (``LoraScheduler.room_for_pin``): a reload does not wait for them.
+        self.pinning: dict[int, asyncio.Task[None]] = {}
         # The engine's list_loras() and lora_slots() (None: it cannot say) as last read;
         # ``resident`` adds the adapters that requests have loaded since (cold starts).
         self.held: set[int] = set()
@@ -264,6 +273,9 @@ class AdapterSlots:
         if self.scheduler is None:
             log.warning("adapter %s %s", route.name, PIN_REFUSED)
             return
+        lora_id = route.lora.lora_id
+        if lora_id in self.pinning:
+            return  # on its way
         # vLLM fails a batch that needs a slot when every GPU slot is pinned: keep one free.
         if not self._room_to_pin():
             waiting = route.lora.lora_id in self.pins_waiting
@@ -278,14 +290,41 @@ class AdapterSlots:
                 self.max_loras,
             )
             return
+        if self.scheduler.room_to_pin_now(lora_id):
+            await self._pin_in_room(route)
+        else:
+            # More adapters run than the slots a pin leaves them: pinned once they drain,
+            # meanwhile no new adapter takes the slot it needs. Not awaited here: a reload
+            # (and the catalog's lock) would wait for streams that may run for minutes.
+            log.info(
+                "adapter %s is pinned once the adapters running beside it fit the slots left", route.name
+            )
+            self.pinning[lora_id] = asyncio.create_task(self._pin_when_room(route))
+
+    async def _pin_in_room(self, route: Route) -> None:
+        assert route.lora is not None and self.scheduler is not None
         async with self.scheduler.room_for_pin(route.lora.lora_id):
             await self.engine.pin_lora(route.lora.lora_id)
             self.pinned.add(route.lora.lora_id)
         self.pins_waiting.pop(route.lora.lora_id, None)
         log.info("adapter %s pinned to a GPU slot", route.name)
 
+    async def _pin_when_room(self, route: Route) -> None:
+        assert route.lora is not None
+        try:
+            await self._pin_in_room(route)
+        except GatewayError as exc:
+            log.error("adapter %s could not be pinned: %s", route.name, exc.message)
+        finally:
+            self.pinning.pop(route.lora.lora_id, None)
+
+    def close(self) -> None:
+        """Stop the pins still waiting for room (the engine stops)."""
+        for task in self.pinning.values():
+            task.cancel()
+
     def _room_to_pin(self) -> bool:
-        return len(self.pinned) + 1 < self.max_loras
+        return len(self.pinned) + len(self.pinning) + 1 < self.max_loras
 
     async def _pin_next_waiting(self) -> None:
         """A pinned version left: the first waiting pin takes its slot. A failure is logged,
@@ -325,6 +364,9 @@ class AdapterSlots:
         log.info("adapter %s preloaded (%.0f ms)", route.name, (time.perf_counter() - t0) * 1000)
 
     async def remove(self, lora_id: int) -> None:
+        pinning = self.pinning.pop(lora_id, None)
+        if pinning is not None:  # never pinned now: it leaves
+            pinning.cancel()
         await self.engine.remove_lora(lora_id)
         self.registered.discard(lora_id)
         self.preloaded.discard(lora_id)

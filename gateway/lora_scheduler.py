@@ -233,6 +233,12 @@ class LoraScheduler:
     def _capacity(self) -> int:
         return max(1, self.slots - len(self._pinned) - self._pins_coming)
 
+    def room_to_pin_now(self, lora_id: int) -> bool:
+        """Whether ``room_for_pin`` would enter at once: the other active adapters fit the
+        slots left with one more held for this pin."""
+        capacity = max(1, self.slots - len(self._pinned) - self._pins_coming - 1)
+        return sum(1 for a in self._active.values() if a.lora_id != lora_id) <= capacity
+
     @contextlib.asynccontextmanager
     async def room_for_pin(self, lora_id: int) -> AsyncIterator[None]:
         """Hold a slot for a pin about to be made, and wait until the other active adapters

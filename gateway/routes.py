@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots, Residency
+from gateway.adapter_slots import PIN_COMING, PIN_REFUSED, PIN_WAITING, AdapterSlots, Residency
 from gateway.catalog import Catalog, Lease, Route
 from gateway.errors import (
     CatalogInvalid,
@@ -468,6 +468,8 @@ def _pin_warnings(route: Route, slots: AdapterSlots | None) -> list[str]:
         return []
     if not slots.may_pin:
         return [PIN_REFUSED]
+    if route.lora.lora_id in slots.pinning:
+        return [PIN_COMING]
     return [PIN_WAITING] if route.lora.lora_id in slots.pins_waiting else []
 
 

@@ -225,6 +225,7 @@ class Gateway:
 
     def close(self) -> None:
         """What outlives the engine: the response store and the adapter copies."""
+        self.adapters.close()
         self.responses.close()
         if self.scheduler is not None:
             self.scheduler.close()

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.adapter_slots import PIN_REFUSED, PIN_WAITING, AdapterSlots
+from gateway.adapter_slots import PIN_COMING, PIN_REFUSED, PIN_WAITING, AdapterSlots
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import EngineFailed
 from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics, RequestRecord
 from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
-from tests.helpers import eventually_async
+from tests.helpers import chat_body, eventually_async
 from tests.unit.conftest import ADMIN, Serve, Served, make_adapter
 from tests.unit.fakes import FakeEngine
 
@@ -695,16 +695,58 @@ async def test_unpinning_in_the_catalog_unpins(serve: Serve, tmp_path: Path) -> 
     assert shout is not None and Path(shout.path).is_dir()  # the copy both versions shared stays
 
 
-async def test_a_pin_waits_for_room_among_the_active_adapters() -> None:
+async def test_an_admin_reload_that_pins_answers_while_streams_hold_the_slots(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """2 slots, shout and json streaming: pinning json must wait for room, but the admin
+    reload answered only when the streams ended (it held the catalog's lock meanwhile)."""
+    engine = SlotEngine()
+    engine.gate = asyncio.Event()
+    served = await serve(engine, engine__max_loras=2)
+    streams = [
+        asyncio.create_task(served.http.post("/v1/chat/completions", json=chat_body(m)))
+        for m in ("shout", "json")
+    ]
+    await eventually_async(lambda: engine.running == 2, 5, "both adapters in the engine")
+    (tmp_path / "adapters.yaml").write_text(
+        "routes:\n  - {name: shout, adapter: shout}\n  - {name: json, adapter: json, pinned: true}\n"
+    )
+    r = await asyncio.wait_for(served.http.post("/admin/adapters/reload", headers=ADMIN), 5)
+    assert r.status_code == 200 and engine.pinned == []
+    assert (await served.http.get("/v1/models/json")).json()["warnings"] == [PIN_COMING]
+    engine.gate.set()
+    assert [s.status_code for s in await asyncio.gather(*streams)] == [200, 200]
+    await eventually_async(lambda: engine.pinned == [lora_id(served, "json")], 5, "pinned once room freed")
+    assert await residency(served, "json") == {"pinned": True, "residency": "gpu"}
+    assert (await served.http.get("/v1/models/json")).json()["warnings"] == []
+
+
+async def test_a_pin_waits_for_room_among_the_active_adapters_without_holding_the_register() -> None:
+    """Two adapters run on 2 slots: the pin waits until one drains, in the background, so
+    the reload that registered it (and the catalog's lock) does not wait for their streams."""
     s, engine, _ = slots(max_loras=2)
     tickets = [await s.scheduler.turn(lora_route(f"u{i}", i)) for i in (1, 2)]
-    pinning = asyncio.create_task(s.register(lora_route("p", 3, pinned=True)))
+    await asyncio.wait_for(s.register(lora_route("p", 3, pinned=True)), 5)
+    assert engine.pinned == [] and 3 in s.pinning
+    await s._pin(lora_route("p", 3, pinned=True))  # a later reload: the same pin, not another
+    assert list(s.pinning) == [3]
+    tickets[0].release()  # type: ignore[union-attr]
+    await eventually_async(lambda: engine.pinned == [3], 5, "pinned once a slot drained")
+    assert s.residency(lora_route("p", 3, pinned=True)) == "gpu" and s.pinning == {}
+
+
+async def test_a_version_removed_before_its_pin_landed_is_never_pinned() -> None:
+    s, engine, _ = slots(max_loras=2)
+    tickets = [await s.scheduler.turn(lora_route(f"u{i}", i)) for i in (1, 2)]
+    await s.register(lora_route("p", 3, pinned=True))
+    assert 3 in s.pinning
+    await s.remove(3)
+    for ticket in tickets:
+        ticket.release()  # type: ignore[union-attr]
     for _ in range(5):
         await asyncio.sleep(0)
-    assert engine.pinned == [] and not pinning.done()
-    tickets[0].release()  # type: ignore[union-attr]
-    await asyncio.wait_for(pinning, 5)
-    assert engine.pinned == [3] and s.residency(lora_route("p", 3, pinned=True)) == "gpu"
+    assert engine.pinned == [] and s.pinning == {} and s.scheduler is not None
+    assert s.scheduler._pins_coming == 0  # its slot is the unpinned adapters' again
 
 
 async def test_a_reload_past_the_auto_slots_is_warned_of_once_while_over(
