@@ -58,12 +58,6 @@ class _Request(BaseModel):
                 raise InvalidRequest(
                     f"{name}: only {str(default).lower()} is supported by this gateway", param=name
                 )
-        if not _generation_prompt(
-            extra.get("add_generation_prompt")
-        ):  # vLLM's default, true, is what it does
-            raise InvalidRequest(
-                "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
-            )
         _refuse_openai_chat_options(extra)
         return self
 
@@ -329,6 +323,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
         extra = self.model_extra or {}
+        # vLLM's default, true, is what the gateway does (completions have no such field)
+        if not _generation_prompt(extra.get("add_generation_prompt")):
+            raise InvalidRequest(
+                "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
+            )
         if extra.get("echo") not in (None, False):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
         if self.tools == []:  # as OpenAI and vLLM

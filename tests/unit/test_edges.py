@@ -520,3 +520,9 @@ def test_add_generation_prompt_false_in_any_spelling_or_no_bool_is_a_400(value: 
 @pytest.mark.parametrize("value", [True, "true", 1, "yes", "on", None])
 def test_add_generation_prompt_true_in_any_spelling_is_the_default(value: Any) -> None:
     assert chat(add_generation_prompt=value).n == 1
+
+
+@pytest.mark.parametrize("value", [False, "no", 0, "maybe"])
+def test_completions_take_add_generation_prompt_as_vllm_does(value: Any) -> None:
+    """vLLM's completion request has no such field (no chat template): it changes nothing."""
+    assert completion(add_generation_prompt=value).n == 1
