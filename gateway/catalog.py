@@ -511,13 +511,16 @@ class Catalog:
             self._retired.discard(lora_id)
             self._pending_removal.append(lora_id)
 
-    async def reload(self) -> bool:
+    async def reload(self, skip: Callable[[], bool] | None = None) -> bool | None:
         """Build a new table, load its adapters, then swap it in; on failure keep serving
         the last good one. The old table serves while the new one's adapters load, so no
         request reaches a version before the engine has it (or has refused it). One at a
         time with ``remove_drained``: a version that a reload brings back (its files
-        restored) must not be removed from under it."""
+        restored) must not be removed from under it. None, and nothing read, when ``skip()``
+        says so once it is this reload's turn."""
         async with self._lock:
+            if skip is not None and skip():
+                return None
             try:
                 # Off the event loop: the build reads every adapter's header, and hashes and
                 # copies new ones (GBs for a large adapter), while streams go on. What it

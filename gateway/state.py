@@ -156,10 +156,11 @@ class Gateway:
         draining: adapters loaded and warmed in an engine about to stop, which the drain
         does not wait for (False, and a log line)."""
         catalog = self.catalog_or_503()
-        if self.admission.draining:
+        # checked again once the reload's turn comes: one may wait for another's adapters
+        ok = await catalog.reload(skip=lambda: self.admission.draining)
+        if ok is None:
             log.info("catalog reload skipped: the gateway is draining")
             return False
-        ok = await catalog.reload()
         self.metrics.reloads.labels("ok" if ok else "error").inc()
         if ok:  # no await since the swap: no request has been counted under the new table
             self._routes_changed(catalog.table)

@@ -170,3 +170,46 @@ async def test_sighup_or_a_file_change_does_not_reload_while_draining(serve: Ser
     assert not any(request_id.startswith("preload-") for _, _, request_id, _ in served.engine.calls)
     gw.admission.draining = False  # (never so in production) the same file reloads otherwise
     assert await gw.reload_catalog() is True and "fresh" in gw.catalog.table.routes
+
+
+class _GatedAddEngine(FakeEngine):
+    """Adding an adapter waits for ``add_gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_gate = asyncio.Event()
+        self.waiting_in_add = 0
+        self.added: list[str] = []
+
+    async def add_lora(self, lora: Any) -> None:
+        self.waiting_in_add += 1
+        await self.add_gate.wait()
+        self.added.append(lora.name)
+        await super().add_lora(lora)
+
+
+async def test_a_reload_waiting_for_another_is_skipped_once_the_drain_begins(
+    serve: Serve, tmp_path: Any
+) -> None:
+    """Checked when its turn comes too: a SIGHUP reload queued behind a watcher's reload that
+    is still loading adapters found the gateway not draining yet, and ran during the drain."""
+    engine = _GatedAddEngine()
+    engine.add_gate.set()
+    served = await serve(engine)
+    gw = served.gw
+    engine.add_gate.clear()
+    for name in ("extra", "extra2"):
+        make_adapter(tmp_path / "adapters", name)
+    catalog = tmp_path / "adapters.yaml"
+    catalog.write_text(catalog.read_text() + "  - {name: extra, adapter: extra}\n")
+    engine.waiting_in_add = 0
+    first = asyncio.create_task(gw.reload_catalog())
+    await eventually_async(lambda: engine.waiting_in_add == 1, 5, "the first reload loading extra")
+    catalog.write_text(catalog.read_text() + "  - {name: extra2, adapter: extra2}\n")
+    second = asyncio.create_task(gw.reload_catalog())
+    await asyncio.sleep(0.05)  # past the first check, waiting for the first reload
+    gw.admission.draining = True
+    engine.add_gate.set()
+    assert await asyncio.wait_for(first, 5) is True
+    assert await asyncio.wait_for(second, 5) is False
+    assert "extra2" not in engine.added
