@@ -215,6 +215,9 @@ class AdapterSlots:
         # Pins waiting, in the background, for the adapters running beside them to fit the
         # slots left (``LoraScheduler.room_for_pin``): a reload does not wait for them.
         self.pinning: dict[int, asyncio.Task[None]] = {}
+        # Pins the engine refused in the background, with its reason: the route's card says
+        # so until a reload tries again.
+        self.pins_failed: dict[int, str] = {}
         # The engine's list_loras() and lora_slots() (None: it cannot say) as last read;
         # ``resident`` adds the adapters that requests have loaded since (cold starts).
         self.held: set[int] = set()
@@ -290,6 +293,8 @@ class AdapterSlots:
                 self.max_loras,
             )
             return
+        self.pins_waiting.pop(lora_id, None)  # not waiting for a pin to leave any more
+        self.pins_failed.pop(lora_id, None)
         if self.scheduler.room_to_pin_now(lora_id):
             await self._pin_in_room(route)
         else:
@@ -310,13 +315,18 @@ class AdapterSlots:
         log.info("adapter %s pinned to a GPU slot", route.name)
 
     async def _pin_when_room(self, route: Route) -> None:
+        """The pin ``_pin`` left waiting for room; refused, it leaves its room to the pins
+        waiting for one (a cancelled one leaves it through ``remove``)."""
         assert route.lora is not None
+        lora_id = route.lora.lora_id
         try:
             await self._pin_in_room(route)
         except GatewayError as exc:
+            self.pins_failed[lora_id] = exc.message
             log.error("adapter %s could not be pinned: %s", route.name, exc.message)
         finally:
-            self.pinning.pop(route.lora.lora_id, None)
+            self.pinning.pop(lora_id, None)
+        await self._pin_next_waiting()
 
     def close(self) -> None:
         """Stop the pins still waiting for room (the engine stops)."""
@@ -327,22 +337,23 @@ class AdapterSlots:
         return len(self.pinned) + len(self.pinning) + 1 < self.max_loras
 
     async def _pin_next_waiting(self) -> None:
-        """A pinned version left: the first waiting pin takes its slot. A failure is logged,
-        not raised: it must not stop the removal that called it."""
-        if not self.pins_waiting or not self._room_to_pin():
-            return
-        route = next(iter(self.pins_waiting.values()))
-        assert route.lora is not None
-        try:
-            # While it waited, the engine may have evicted it from its CPU cache (LRU,
-            # ``max_cpu_loras``), and vLLM refuses to pin an adapter it does not hold: add it
-            # again first (a no-op when it is still there).
-            await self.engine.add_lora(route.lora)
-            await self._after_load(route.lora.lora_id)
-            await self._pin(route)
-        except GatewayError as exc:
+        """A pin left (a pinned version, or one on its way that was removed or refused): the
+        waiting pins take the room, first come first. A failure is logged, not raised: it
+        must not stop the removal that called it."""
+        while self.pins_waiting and self._room_to_pin():
+            route = next(iter(self.pins_waiting.values()))
+            assert route.lora is not None
+            try:
+                # While it waited, the engine may have evicted it from its CPU cache (LRU,
+                # ``max_cpu_loras``), and vLLM refuses to pin an adapter it does not hold: add
+                # it again first (a no-op when it is still there).
+                await self.engine.add_lora(route.lora)
+                await self._after_load(route.lora.lora_id)
+                await self._pin(route)  # pinned, or on its way: no longer waiting
+            except GatewayError as exc:
+                self.pins_failed[route.lora.lora_id] = exc.message
+                log.error("adapter %s could not be pinned: %s", route.name, exc.message)
             self.pins_waiting.pop(route.lora.lora_id, None)
-            log.error("adapter %s could not be pinned: %s", route.name, exc.message)
 
     async def _preload(self, route: Route) -> None:
         """One token on the adapter: its weights and kernels are warm before a user asks.
@@ -371,6 +382,7 @@ class AdapterSlots:
         self.registered.discard(lora_id)
         self.preloaded.discard(lora_id)
         self.pins_waiting.pop(lora_id, None)
+        self.pins_failed.pop(lora_id, None)
         was_pinned = lora_id in self.pinned
         self.pinned.discard(lora_id)
         self.resident.discard(lora_id)
@@ -380,9 +392,9 @@ class AdapterSlots:
         path = self.paths.pop(lora_id, None)
         if path is not None:
             self._discard_copy(path)
-        if was_pinned:
-            if self.scheduler is not None:  # its slot is free for unpinned adapters again
-                self.scheduler.pins_changed()
+        if was_pinned and self.scheduler is not None:  # its slot is free for unpinned adapters again
+            self.scheduler.pins_changed()
+        if was_pinned or pinning is not None:
             await self._pin_next_waiting()
 
     def _discard_copy(self, path: Path) -> None:

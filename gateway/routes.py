@@ -470,6 +470,8 @@ def _pin_warnings(route: Route, slots: AdapterSlots | None) -> list[str]:
         return [PIN_REFUSED]
     if route.lora.lora_id in slots.pinning:
         return [PIN_COMING]
+    if (refused := slots.pins_failed.get(route.lora.lora_id)) is not None:
+        return [f"not pinned: the engine refused the pin ({refused}); a reload tries again"]
     return [PIN_WAITING] if route.lora.lora_id in slots.pins_waiting else []
 
 

@@ -19,6 +19,7 @@ from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.errors import EngineFailed
 from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics, RequestRecord
+from gateway.routes import adapter_fields
 from gateway.snapshots import SnapshotDir
 from gateway.types import LoraSpec
 from tests.helpers import chat_body, eventually_async
@@ -733,6 +734,77 @@ async def test_a_pin_waits_for_room_among_the_active_adapters_without_holding_th
     tickets[0].release()  # type: ignore[union-attr]
     await eventually_async(lambda: engine.pinned == [3], 5, "pinned once a slot drained")
     assert s.residency(lora_route("p", 3, pinned=True)) == "gpu" and s.pinning == {}
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_pin_removed_on_its_way_leaves_its_room_to_a_waiting_pin() -> None:
+    """max_loras=3: two pins. a is pinned, b's pin waits for room (two adapters run), c waits
+    for the pin limit (b counts). b's version leaves before its pin lands: c takes the room."""
+    s, engine, _ = slots(max_loras=3)
+    assert s.scheduler is not None
+    await s.register(lora_route("a", 1, pinned=True))
+    tickets = [await s.scheduler.turn(lora_route(f"u{i}", i)) for i in (6, 7)]
+    await s.register(lora_route("b", 2, pinned=True))
+    await s.register(lora_route("c", 3, pinned=True))
+    assert list(s.pinning) == [2] and list(s.pins_waiting) == [3]
+    await s.remove(2)
+    assert list(s.pinning) == [3] and s.pins_waiting == {}  # on its way: room for it now
+    for ticket in tickets:
+        ticket.release()  # type: ignore[union-attr]
+    await eventually_async(lambda: engine.pinned == [1, 3], 5, "c pinned")
+
+
+async def test_every_waiting_pin_gets_the_room_that_frees_not_only_the_first() -> None:
+    """max_loras=4: three pins. d and e wait for the limit; two pinned versions leave while
+    an unpinned adapter runs: d's pin goes on its way, and e, behind it, is not forgotten."""
+    s, engine, _ = slots(max_loras=4)
+    assert s.scheduler is not None
+    for i in (1, 2, 3):
+        await s.register(lora_route(f"p{i}", i, pinned=True))
+    for name, i in (("d", 4), ("e", 5)):
+        await s.register(lora_route(name, i, pinned=True))
+    assert list(s.pins_waiting) == [4, 5]
+    busy = await s.scheduler.turn(lora_route("u6", 6))  # the one unpinned slot
+    later = asyncio.ensure_future(s.scheduler.turn(lora_route("u7", 7)))
+    await _settle()
+    await s.remove(1)  # u7 takes the slot freed: d's pin waits for room, on its way
+    assert list(s.pinning) == [4] and list(s.pins_waiting) == [5]
+    await s.remove(2)  # room for e too: pinned at once or on its way, not left waiting
+    assert s.pins_waiting == {}
+    for ticket in (busy, await asyncio.wait_for(later, 1)):
+        ticket.release()  # type: ignore[union-attr]
+    await eventually_async(lambda: sorted(engine.pinned) == [1, 2, 3, 4, 5], 5, "d and e pinned")
+    assert s.pinned == {3, 4, 5} and s.pins_waiting == {} and s.pinning == {}
+
+
+async def test_a_pin_refused_on_its_way_says_so_on_the_card_until_a_reload_pins_it() -> None:
+    s, engine, _ = slots(max_loras=2)
+    assert s.scheduler is not None
+    tickets = [await s.scheduler.turn(lora_route(f"u{i}", i)) for i in (1, 2)]
+    refusing = True
+    pin = engine.pin_lora
+
+    async def sometimes(lora_id: int) -> None:
+        if refusing:
+            raise EngineFailed("Pinning failed")
+        await pin(lora_id)
+
+    engine.pin_lora = sometimes  # type: ignore[method-assign]
+    route = lora_route("p", 3, pinned=True)
+    await s.register(route)
+    for ticket in tickets:
+        ticket.release()  # type: ignore[union-attr]
+    await eventually_async(lambda: s.pinning == {}, 5, "the pin tried")
+    assert adapter_fields(route, s)["warnings"] == [
+        "not pinned: the engine refused the pin (Pinning failed); a reload tries again"
+    ]
+    refusing = False
+    await s.register(route)  # the next reload
+    assert engine.pinned == [3] and adapter_fields(route, s)["warnings"] == []
 
 
 async def test_a_version_removed_before_its_pin_landed_is_never_pinned() -> None:
