@@ -157,14 +157,34 @@ def test_rank_pattern_ranks_are_checked_per_module(
 
 
 def test_rank_pattern_ranks_that_fit_are_accepted_and_capped(tmp_path: Path, model: ModelShapes) -> None:
+    """Up to and including ``engine.max_lora_rank``, as vLLM loads it: an adapter at exactly
+    the engine's limit is not refused."""
     v = {
         LAYER + "self_attn.v_proj.lora_A.weight": zeros(4, H),
         LAYER + "self_attn.v_proj.lora_B.weight": zeros(KV, 4),
     }
     path = adapter(tmp_path, Q | v, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 4})
     check_adapter(path, 16, "llama", model)
+    at_limit = {
+        LAYER + "self_attn.v_proj.lora_A.weight": zeros(16, H),
+        LAYER + "self_attn.v_proj.lora_B.weight": zeros(KV, 16),
+    }
+    path = adapter(
+        tmp_path, Q | at_limit, name="c", target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 16}
+    )
+    check_adapter(path, 16, "llama", model)
     path = adapter(tmp_path, Q, name="b", rank_pattern={"v_proj": 32})
     with pytest.raises(ConfigError, match="rank 32 is above engine.max_lora_rank=16"):
+        check_adapter(path, 16, "llama", model)
+
+
+def test_rank_pattern_keys_match_whole_module_names(tmp_path: Path, model: ModelShapes) -> None:
+    """As PEFT and vLLM match a ``rank_pattern`` key: the module's path ends in it at a ``.``
+    boundary. ``{proj: 4}`` names no module here, so q_proj keeps ``r`` (8); matching any
+    ending would refuse this adapter, which vLLM loads, as having the wrong rank."""
+    check_adapter(adapter(tmp_path, Q, rank_pattern={"proj": 4}), 16, "llama", model)
+    path = adapter(tmp_path, Q, name="b", rank_pattern={"self_attn.q_proj": 4})
+    with pytest.raises(ConfigError, match=r"expected rank 4 \(rank_pattern\)"):
         check_adapter(path, 16, "llama", model)
 
 

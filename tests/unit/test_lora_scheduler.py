@@ -300,13 +300,56 @@ async def test_a_key_served_before_an_idle_gap_is_not_behind_a_flooding_key() ->
 
 
 async def test_priority_goes_before_fair_share() -> None:
+    """A lower priority goes first even when its key has had more turns than the other:
+    fair share only orders requests of one priority, so an urgent key that keeps sending is
+    never put behind a normal one."""
     s = make(slots=1)
     r = Requests(s)
-    await r.ask("a1", A)
+    urgent = Key("urgent", priority=-1)
+    await r.ask("a1", A, urgent)  # urgent's key has had a turn, normal's none
     await r.ask("b1", B, Key("normal"))
-    await r.ask("c1", C, Key("urgent", priority=-1))
+    await r.ask("c1", C, urgent)
     await r.release("a1")
     assert r.went() == {"a1", "c1"}
+
+
+async def test_a_key_new_to_a_busy_period_goes_before_a_key_already_served() -> None:
+    """A turn that served two keys moves the key clock to the less served of them: a key
+    that arrives later starts there, level with that key, and goes before a key that has
+    had a turn since. Starting it at the most served key's time would make it wait behind
+    a key that has already been served."""
+    s = make(slots=1)
+    r = Requests(s)
+    x, y, z = Key("x"), Key("y"), Key("z")
+    await r.ask("hold", D, x)
+    await r.ask("a1", A, x)
+    await r.ask("a2", A, y)
+    await r.release("hold")  # A's turn serves x (its second turn) and y (its first)
+    await r.ask("b1", B, y)
+    await r.ask("c1", C, z)  # z has had no turn; y has had one
+    await r.release("a1", "a2")
+    assert r.order[-1] == "c1"
+
+
+async def test_a_route_new_to_a_busy_period_gets_no_credit_for_it() -> None:
+    """A route that was idle starts from the virtual clock, not from where it left off:
+    arriving in the middle of a busy period, it waits its turn behind routes that asked
+    before it (equal weights: first come, first served) instead of jumping them for the
+    turns the others had while it asked for nothing."""
+    s = make(slots=1)
+    r = Requests(s)
+    await r.ask("d1", D)
+    await r.ask("b1", B)
+    await r.ask("c1", C)
+    await r.release("d1")  # B's turn
+    await r.ask("d2", D)
+    await r.release("b1")  # C's turn
+    await r.ask("b2", B)
+    await r.release("c1")  # D's turn: B, C and D have had one turn each since d1
+    await r.ask("a1", A)  # A's first request, after b2's
+    await r.ask("c2", C)
+    await r.release("d2")
+    assert r.order[-1] == "b2"
 
 
 async def test_an_adapter_past_its_quantum_drains_while_others_wait() -> None:
@@ -370,6 +413,25 @@ async def test_a_request_that_waited_max_wait_goes_anyway() -> None:
     assert "c1" not in r.went()  # B holds the one slot now
     await r.release("b1", "b2")
     assert "c1" in r.went()
+
+
+async def test_a_preloads_warm_up_sent_on_by_the_bounded_wait_is_no_user_timeout() -> None:
+    """A preload's warm-up (``observe=False``) that waited ``max_wait_s`` is sent on like any
+    request, but no user waited: ``gateway_adapter_wait_timeouts`` counts user requests
+    only, or an alert on it fires at every reload that preloads an adapter."""
+    clock = Clock()
+    metrics = GatewayMetrics()
+    metrics.set_routes(frozenset({"a", "b"}))
+    s = make(slots=1, max_wait_s=3.0, clock=clock, metrics=metrics)
+    r = Requests(s)
+    await r.ask("b1", B)
+    warm_up = asyncio.create_task(s.turn(A, observe=False))
+    await settle()
+    clock.now += 3.0
+    assert s.expire() == 1
+    await settle()
+    assert warm_up.done()
+    assert metrics.adapter_wait_timeouts.labels("a")._value.get() == 0
 
 
 async def test_the_timer_fires_expire() -> None:
@@ -709,6 +771,26 @@ async def test_a_pin_leaving_arms_the_bounded_wait() -> None:
     pinned.discard(1)
     s.pins_changed()  # C takes the freed slot; D waits, now with a timer
     await asyncio.sleep(0.1)
+    assert r.went() == {"b1", "c1", "d1"} and s.forced == 1
+
+
+async def test_a_queue_that_becomes_forceable_moves_the_timer_earlier() -> None:
+    """A pin leaving makes a queue that has already waited ``max_wait_s`` forceable while the
+    timer is set for a later deadline (another queue's): the timer moves to the earlier
+    deadline, so that queue is sent on now rather than after up to ``max_wait_s`` more."""
+    clock = Clock()
+    pinned = {9}
+    s = make(slots=2, quantum_s=1.0, max_wait_s=60.0, clock=clock, pinned=pinned)
+    r = Requests(s)
+    await r.ask("b1", B)  # the one slot left beside the pin
+    await r.ask("c1", C)
+    await r.ask("d1", D)  # C and D wait, not forceable while a pin is there
+    clock.now += 50.0
+    await r.ask("b2", B)  # B, past its quantum, drains: b2 queues, forceable 60 s from now
+    clock.now += 15.0  # d1 has waited past max_wait_s
+    pinned.discard(9)
+    s.pins_changed()  # C takes the freed slot; D is forceable, and overdue
+    await settle()
     assert r.went() == {"b1", "c1", "d1"} and s.forced == 1
 
 

@@ -294,8 +294,16 @@ async def test_oversized_headers_are_431_before_auth(serve: Serve, path: str) ->
 
 
 async def test_the_header_limit_is_a_setting(serve: Serve) -> None:
+    """The limit is the largest head taken: one of exactly ``max_header_bytes`` (path, query
+    and headers, each header counted with its ": " and CRLF) is served, one byte more is 431."""
     served = await serve(server__max_header_bytes=2048)
     assert_openai_error(await served.http.get("/v1/models", headers={"x-junk": "a" * 3000}), 431)
+    body = json.dumps(chat_body("base")).encode()
+    auth = f"Bearer {USER_KEY}"
+    head = len("/v1/chat/completions") + len("authorization") + len(auth) + 4 + len("x-junk") + 4
+    for size, status in ((2048, 200), (2049, 431)):
+        sent = await by_hand(served, {"authorization": auth, "x-junk": "a" * (size - head)}, body)
+        assert sent[0]["status"] == status
 
 
 async def test_a_long_query_string_counts_toward_the_header_limit(serve: Serve) -> None:
@@ -572,6 +580,8 @@ async def test_draining_refuses_new_work_with_503(serve: Serve) -> None:
     err = assert_openai_error(r, 503)
     assert err["type"] == "service_unavailable" and r.headers["retry-after"] == "1"
     assert served.engine.calls == []
+    # a drain is no overload: gateway_admission_rejected counts the 429s of a full gateway only
+    assert served.gw.metrics.registry.get_sample_value("gateway_admission_rejected_total") == 0
     ready = await served.http.get("/ready")
     assert (ready.status_code, ready.json()) == (503, {"status": "draining"})
     assert (await served.http.get("/health")).status_code == 200  # alive, just not taking work
@@ -586,6 +596,11 @@ async def test_request_id_is_returned(serve: Serve) -> None:
     assert len((await served.http.get("/health")).headers["x-request-id"]) == 32
     unsafe = await served.http.get("/health", headers={"x-request-id": "a b<script>"})
     assert len(unsafe.headers["x-request-id"]) == 32  # replaced, not echoed
+    longest = "a" * 128  # the longest echoed: a longer one is replaced, as it would fill the logs
+    echoed = await served.http.get("/health", headers={"x-request-id": longest})
+    assert echoed.headers["x-request-id"] == longest
+    too_long = await served.http.get("/health", headers={"x-request-id": "a" * 129})
+    assert len(too_long.headers["x-request-id"]) == 32
     refused = await served.http.get("/v1/models", headers={**NO_KEY, "x-request-id": "denied-1"})
     assert refused.headers["x-request-id"] == "denied-1"  # errors from middleware carry it too
 

@@ -15,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 from starlette.testclient import TestClient
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway import structured
 from gateway.app import create_app
@@ -98,6 +99,7 @@ def prompt_of(engine: ReadyEngine, call: int = -1) -> str:
 def test_string_input_gives_a_completed_response(http_nolife: TestClient, engine: ReadyEngine) -> None:
     r = sdk(http_nolife).responses.create(model="base-model", input="Hi")
     assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert r.completed_at is not None and r.top_logprobs == 0  # OpenAI's: 0 when not asked, not null
     assert r.output_text == "Hello world!" and r.model == "base-model"
     assert r.output[0].type == "message" and r.output[0].id.startswith("msg_")
     assert r.usage is not None and r.usage.input_tokens == len(engine.calls[0][0])
@@ -147,6 +149,7 @@ def test_max_output_tokens_makes_it_incomplete(http_nolife: TestClient, engine: 
     r = sdk(http_nolife).responses.create(model="base-model", input="Hi", max_output_tokens=2)
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.completed_at is None  # set only on a completed response
     assert r.output_text == "Hello world" and r.max_output_tokens == 2
     assert engine.calls[0][1].max_tokens == 2
 
@@ -265,9 +268,12 @@ def test_input_items_page_backwards_with_before(http_nolife: TestClient) -> None
     assert page(order="asc", before=ids[0]) == ([], False)
 
 
-def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
+@pytest.mark.parametrize("arguments", ["{}", ""])
+def test_input_items_of_a_tool_round_trip(http_nolife: TestClient, arguments: str) -> None:
+    """Empty ``arguments`` (a call of a function without parameters, as some clients send it
+    back) is a call like any other, kept as sent; only its name and call id must not be empty."""
     client = sdk(http_nolife)
-    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments}
     output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
     made = client.responses.create(
         model="base-model",
@@ -278,7 +284,7 @@ def test_input_items_of_a_tool_round_trip(http_nolife: TestClient) -> None:
     assert {k: items[1][k] for k in ("call_id", "name", "arguments")} == {
         "call_id": "c1",
         "name": "f",
-        "arguments": "{}",
+        "arguments": arguments,
     }
     assert (items[2]["call_id"], items[2]["output"]) == ("c1", "42")
 
@@ -437,11 +443,32 @@ def test_stream_events_in_order(http_nolife: TestClient) -> None:
         final = stream.get_final_response()
     assert [e.type for e in events] == message_events(3)
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.response.completed_at for e in events[:2]] == [None, None]  # type: ignore[union-attr]
+    assert final.completed_at is not None  # set only once completed
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert deltas == ["Hello", " world", "!"]
     assert final.output_text == "Hello world!" and final.status == "completed"
     assert final.usage is not None and final.usage.output_tokens == 3
     assert client.responses.retrieve(final.id).output_text == "Hello world!"  # stored before the end
+
+
+def test_a_streamed_response_is_stored_before_response_completed_goes_out(http_nolife: TestClient) -> None:
+    """A client that continues (``previous_response_id``) or retrieves a response as soon as
+    it reads ``response.completed`` must find it stored, not a 400 or 404 for a moment."""
+    app = http_nolife.app
+    store = app.state.gateway.responses  # type: ignore[attr-defined]
+    stored_at_completed: list[int] = []
+
+    async def watching(scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch(message: Message) -> None:
+            if b"response.completed" in message.get("body", b""):
+                stored_at_completed.append(store.count_now())
+            await send(message)
+
+        await app(scope, receive, watch)
+
+    events = list(sdk(TestClient(watching)).responses.create(model="base-model", input="Hi", stream=True))
+    assert events[-1].type == "response.completed" and stored_at_completed == [1]
 
 
 def test_stream_cut_short_ends_with_response_incomplete(http_nolife: TestClient) -> None:
@@ -459,6 +486,7 @@ def test_engine_failure_mid_stream_is_response_failed() -> None:
     failed = events[-1].response
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
     assert failed.output_text == "Hello"
+    assert failed.output[0].status == "incomplete"  # type: ignore[union-attr]  # cut off, not completed
 
 
 @pytest.mark.parametrize(

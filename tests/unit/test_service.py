@@ -35,6 +35,9 @@ def setup(engine: FakeEngine | None = None) -> tuple[ChatService, Catalog, FakeE
     )
 
 
+PROMPT_TOKENS = len("system:Be brief.\nuser:Hi\nmodel:")  # chat()'s prompt on the concise route
+
+
 def chat(**kw: object) -> ChatCompletionRequest:
     body: dict[str, object] = {"model": "concise", "messages": [{"role": "user", "content": "Hi"}]}
     body.update(kw)
@@ -53,17 +56,20 @@ async def test_route_system_prompt_and_defaults_apply() -> None:
     assert result.completion_tokens == 3 and result.prompt_tokens == len(prompt_ids)
 
 
-async def test_request_values_override_route_defaults() -> None:
+@pytest.mark.parametrize("role", ["system", "developer"])
+async def test_request_values_override_route_defaults(role: str) -> None:
+    """The caller's own instructions, as a system or a developer message (OpenAI's newer
+    name for it), replace the route's system prompt rather than follow it."""
     service, catalog, engine = setup()
     req = chat(
         temperature=0.9,
         max_tokens=7,
-        messages=[{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}],
+        messages=[{"role": role, "content": "Mine."}, {"role": "user", "content": "Hi"}],
     )
     await (await service.chat(req, catalog.acquire("concise"))).collect()
     prompt_ids, sampling, _, _ = engine.calls[0]
     assert sampling.temperature == 0.9 and sampling.max_tokens == 7
-    assert "".join(map(chr, prompt_ids)).startswith("system:Mine.")  # the caller's system prompt wins
+    assert "".join(map(chr, prompt_ids)).startswith(f"{role}:Mine.")  # the caller's system prompt wins
 
 
 async def test_text_parts_are_joined_by_newlines() -> None:
@@ -85,11 +91,27 @@ async def test_prompt_longer_than_context_is_context_length_exceeded() -> None:
     assert info.value.to_dict()["error"]["code"] == "context_length_exceeded"
 
 
+async def test_a_prompt_that_fills_the_context_is_refused_on_its_messages() -> None:
+    """A prompt of exactly ``max_model_len`` tokens leaves no room for one more: the 400
+    names the messages (what the client must shorten), with or without a max_tokens."""
+    service, catalog, _ = setup(FakeEngine(max_model_len=PROMPT_TOKENS))
+    for request in (chat(), chat(max_tokens=1)):
+        with pytest.raises(ContextLengthExceeded) as info:
+            await service.chat(request, catalog.acquire("concise"))
+        assert info.value.param == "messages"
+
+
 async def test_max_tokens_beyond_context_is_context_length_exceeded() -> None:
-    service, catalog, _ = setup(FakeEngine(max_model_len=40))
+    """max_tokens may take all the room the prompt leaves in the context, not one token more."""
+    service, catalog, engine = setup(FakeEngine(max_model_len=40))
     with pytest.raises(ContextLengthExceeded) as info:
         await service.chat(chat(max_tokens=100), catalog.acquire("concise"))
     assert info.value.param == "max_tokens"
+    room = 40 - PROMPT_TOKENS
+    await (await service.chat(chat(max_tokens=room), catalog.acquire("concise"))).collect()
+    assert engine.calls[-1][1].max_tokens == room
+    with pytest.raises(ContextLengthExceeded):
+        await service.chat(chat(max_tokens=room + 1), catalog.acquire("concise"))
 
 
 async def test_limit_errors_name_max_completion_tokens_when_that_was_sent() -> None:
@@ -104,10 +126,15 @@ async def test_limit_errors_name_max_completion_tokens_when_that_was_sent() -> N
 
 
 async def test_default_max_tokens_fits_the_room_left() -> None:
+    """Also under a server-wide limit on max_tokens that is above the room: the default is
+    the least of the two, not the limit, which the prompt leaves no room for."""
     service, catalog, engine = setup(FakeEngine(max_model_len=30))
     req = chat(model="base-model")
     await (await service.chat(req, catalog.acquire("base-model"))).collect()
     assert engine.calls[0][1].max_tokens == 30 - len(engine.calls[0][0])
+    engine.model_defaults = ModelDefaults(max_tokens_limit=50)
+    await (await service.chat(req, catalog.acquire("base-model"))).collect()
+    assert engine.calls[1][1].max_tokens == 30 - len(engine.calls[1][0])
 
 
 async def test_min_tokens_above_max_tokens_is_400() -> None:
@@ -116,6 +143,9 @@ async def test_min_tokens_above_max_tokens_is_400() -> None:
     with pytest.raises(InvalidRequest) as info:
         await service.chat(chat(max_tokens=5, min_tokens=6), catalog.acquire("concise"))
     assert info.value.param == "min_tokens"
+    gen = await service.chat(chat(max_tokens=5, min_tokens=5), catalog.acquire("concise"))  # an exact length
+    assert (gen.sampling.min_tokens, gen.sampling.max_tokens) == (5, 5)
+    gen.close()
 
 
 async def test_min_tokens_raises_a_default_max_tokens_within_the_context() -> None:
@@ -147,6 +177,23 @@ async def test_logprobs_cap() -> None:
         await service.chat(chat(logprobs=True, top_logprobs=6), catalog.acquire("concise"))
 
 
+@pytest.mark.parametrize(
+    ("fields", "field", "value"),
+    [
+        ({"n": 4, "temperature": 1}, "n", 4),
+        ({"stop": ["a", "b"]}, "stop", ("a", "b")),
+        ({"logprobs": True, "top_logprobs": 5}, "logprobs", 5),
+    ],
+)
+async def test_values_at_the_limits_are_served(fields: dict[str, object], field: str, value: object) -> None:
+    """The limits are maxima: n, stop and top_logprobs equal to ``max_n``, ``max_stop`` and
+    ``max_logprobs`` (4, 2 and 5 here) reach the engine, as the settings promise."""
+    service, catalog, _ = setup()
+    gen = await service.chat(chat(**fields), catalog.acquire("concise"))
+    assert getattr(gen.sampling, field) == value
+    gen.close()
+
+
 async def test_completion_with_token_ids_and_text() -> None:
     service, catalog, engine = setup()
     await (
@@ -157,6 +204,24 @@ async def test_completion_with_token_ids_and_text() -> None:
     ).collect()
     assert engine.calls[0][0] == [5, 6, 7]
     assert engine.calls[1][0] == [2, 97, 98]  # text gets <bos>
+
+
+async def test_a_prompt_token_id_equal_to_the_vocabulary_size_is_400() -> None:
+    """Token ids run from 0 to the vocabulary's size - 1: an id equal to the size is a 400
+    naming ``prompt``, not a request the engine fails on."""
+    service, catalog, engine = setup()
+    vocab = len(engine.tokenizer)
+    with pytest.raises(InvalidRequest) as info:
+        await service.complete(
+            CompletionRequest(model="base-model", prompt=[5, vocab]), catalog.acquire(None)
+        )
+    assert info.value.param == "prompt"
+    await (
+        await service.complete(
+            CompletionRequest(model="base-model", prompt=[vocab - 1]), catalog.acquire(None)
+        )
+    ).collect()
+    assert engine.calls[-1][0] == [vocab - 1]
 
 
 async def test_house_request_becomes_a_user_turn() -> None:
@@ -296,6 +361,8 @@ async def test_the_servers_max_new_tokens_limits_every_request() -> None:
     assert engine.calls[-1][1].max_tokens == 2
     await (await service.chat(chat(), catalog.acquire("concise"))).collect()  # the route's default is 5
     assert engine.calls[-1][1].max_tokens == 4
+    await (await service.chat(chat(min_tokens=4), catalog.acquire(None))).collect()  # at the limit: fine
+    assert (engine.calls[-1][1].min_tokens, engine.calls[-1][1].max_tokens) == (4, 4)
     with pytest.raises(InvalidRequest) as info:
         await service.chat(chat(min_tokens=5), catalog.acquire(None))
     assert info.value.param == "min_tokens" and "limit on max_tokens (4)" in info.value.message
@@ -308,7 +375,8 @@ async def test_the_servers_max_new_tokens_limits_every_request() -> None:
 
 
 async def test_each_prompt_of_a_batch_has_its_own_room() -> None:
-    """As vLLM budgets each prompt: a short prompt is not cut to what a long one leaves."""
+    """As vLLM budgets each prompt: a short prompt is not cut to what a long one leaves. A
+    refusal names the longest prompt, the one the client has to shorten most."""
     engine = FakeEngine(max_model_len=100)
     service, catalog, _ = setup(engine)
     # "a" is 2 tokens (<bos> a): room 98; the long one 96 tokens: room 4
@@ -322,6 +390,10 @@ async def test_each_prompt_of_a_batch_has_its_own_room() -> None:
     body = {"model": "base-model", "prompt": ["a", "x" * 95], "max_tokens": 5}
     with pytest.raises(ContextLengthExceeded):  # an explicit max_tokens must fit every prompt
         await service.complete(CompletionRequest.model_validate(body), catalog.acquire(None))
+    body = {"model": "base-model", "prompt": ["x" * 90, "a", "x" * 95], "max_tokens": 10}
+    with pytest.raises(ContextLengthExceeded) as info:  # of several too long, the longest is named
+        await service.complete(CompletionRequest.model_validate(body), catalog.acquire(None))
+    assert "(96 in the prompt, 10 for the completion)" in info.value.message
 
 
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}

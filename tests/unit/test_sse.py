@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 from gateway.catalog import Catalog, LoraIds, Route, RoutingTable
 from gateway.errors import EngineUnavailable
@@ -34,8 +35,21 @@ async def collect(gen: Generation, encoder: object) -> bytes:
     return b"".join([part async for part in encode_stream(gen, encoder)])  # type: ignore[arg-type]
 
 
+class Scripted(FakeEngine):
+    """Yields the given steps, whatever the request."""
+
+    def __init__(self, *steps: StepOutput) -> None:
+        super().__init__()
+        self.steps = steps
+
+    async def generate(self, *args: object, **kwargs: object) -> AsyncIterator[StepOutput]:
+        for step in self.steps:
+            yield step
+
+
 async def test_house_format_is_byte_exact_and_utf8() -> None:
-    gen = make_gen(FakeEngine(words=["Où", " est", " 東京?"]))
+    """The last step often brings only the finish reason (no text): it sends no empty message."""
+    gen = make_gen(FakeEngine(words=["Où", " est", " 東京?", ""]))
     raw = await collect(gen, HouseEncoder(gen))
     assert (
         raw
@@ -88,13 +102,37 @@ async def test_openai_chat_without_usage_has_no_usage_key() -> None:
 
 
 async def test_openai_chat_n_greater_than_one_indexes_choices() -> None:
+    """Each choice is a message of its own: each opens with its own role chunk, as OpenAI's
+    (clients that assemble choices by index take the role from there)."""
     gen = make_gen(n=2)
     chunks = [json.loads(p[6:]) for p in events(await collect(gen, OpenAIChatEncoder(gen, False)))[:-1]]
     by_index: dict[int, str] = {0: "", 1: ""}
+    roles: dict[int, list[str]] = {0: [], 1: []}
     for c in chunks:
         for choice in c["choices"]:
             by_index[choice["index"]] += choice["delta"].get("content", "")
+            roles[choice["index"]] += [choice["delta"]["role"]] if "role" in choice["delta"] else []
     assert by_index == {0: "Hello world!", 1: "Hello world!"}
+    assert roles == {0: ["assistant"], 1: ["assistant"]}
+
+
+async def test_openai_chat_streams_the_logprobs_of_text_held_back() -> None:
+    """A token whose text the detokenizer holds back (it may start a stop string) comes in a
+    step with no text but with its logprobs: they are sent at once, or the stream's logprobs
+    lose that token and no longer add up to its text."""
+    x = [TokenLogprob("x", -0.5, [("x", -0.5)])]
+    y = [TokenLogprob("y", -0.25, [("y", -0.25)])]
+    gen = make_gen(
+        Scripted(
+            StepOutput([Chunk(0, "", 1, logprobs=x)], 3, False),
+            StepOutput([Chunk(0, "xy", 1, finish_reason="stop", logprobs=y)], 3, True),
+        )
+    )
+    chunks = [json.loads(p[6:]) for p in events(await collect(gen, OpenAIChatEncoder(gen, False)))[:-1]]
+    choices = [c["choices"][0] for c in chunks]
+    text = "".join(c["delta"].get("content", "") for c in choices)
+    tokens = [t["token"] for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
+    assert text == "xy" and tokens == ["x", "y"]
 
 
 async def test_completion_chunks() -> None:

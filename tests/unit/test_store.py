@@ -58,15 +58,19 @@ async def test_delete_is_per_key() -> None:
 
 
 def test_expired_rows_are_invisible_then_purged() -> None:
+    """The purge (a scan for expired rows) runs on a write at most once a minute, so a busy
+    store does not pay for it on every write; until then expired rows are only hidden."""
     clock = Clock()
     store = ResponseStore(":memory:", ttl_s=10, clock=clock)
-    store.put_now("alice", response("resp_old"), HISTORY)
+    store.put_now("alice", response("resp_old"), HISTORY)  # the first write purges
     clock.now += 9
     assert store.get_now("alice", "resp_old") is not None
     clock.now += 1
     assert store.get_now("alice", "resp_old") is None  # at expiry, gone
     assert not store.delete_now("alice", "resp_old")
     assert store.count_now() == 1  # still on disk until a write purges it
+    store.put_now("alice", response("resp_soon"), HISTORY)  # 10 s after the last purge: none
+    assert store.count_now() == 2
     clock.now += 60
     store.put_now("alice", response("resp_new"), HISTORY)
     assert store.count_now() == 1 and store.get_now("alice", "resp_new") is not None
