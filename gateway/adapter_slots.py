@@ -311,7 +311,6 @@ class AdapterSlots:
         async with self.scheduler.room_for_pin(route.lora.lora_id):
             await self.engine.pin_lora(route.lora.lora_id)
             self.pinned.add(route.lora.lora_id)
-        self.pins_waiting.pop(route.lora.lora_id, None)
         log.info("adapter %s pinned to a GPU slot", route.name)
 
     async def _pin_when_room(self, route: Route) -> None:

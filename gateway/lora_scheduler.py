@@ -230,14 +230,16 @@ class LoraScheduler:
                 if adapter.queue:
                     self._hand_over(adapter)
 
-    def _capacity(self) -> int:
-        return max(1, self.slots - len(self._pinned) - self._pins_coming)
+    def _capacity(self, more_pins: int = 0) -> int:
+        return max(1, self.slots - len(self._pinned) - self._pins_coming - more_pins)
+
+    def _others_fit(self, lora_id: int, more_pins: int = 0) -> bool:
+        """Whether the active adapters other than ``lora_id`` fit the slots the pins leave."""
+        return sum(1 for a in self._active.values() if a.lora_id != lora_id) <= self._capacity(more_pins)
 
     def room_to_pin_now(self, lora_id: int) -> bool:
-        """Whether ``room_for_pin`` would enter at once: the other active adapters fit the
-        slots left with one more held for this pin."""
-        capacity = max(1, self.slots - len(self._pinned) - self._pins_coming - 1)
-        return sum(1 for a in self._active.values() if a.lora_id != lora_id) <= capacity
+        """Whether ``room_for_pin`` would enter at once (its own pin held as coming)."""
+        return self._others_fit(lora_id, more_pins=1)
 
     @contextlib.asynccontextmanager
     async def room_for_pin(self, lora_id: int) -> AsyncIterator[None]:
@@ -248,7 +250,7 @@ class LoraScheduler:
         and add the id to ``pinned`` there."""
         self._pins_coming += 1
         try:
-            while sum(1 for a in self._active.values() if a.lora_id != lora_id) > self._capacity():
+            while not self._others_fit(lora_id):
                 room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._room.append(room)
                 await room

@@ -32,6 +32,7 @@ from typing import Any
 from gateway.errors import EngineFailed, GatewayError
 from gateway.responses_api import ResponsesRequest, format_echo
 from gateway.service import Collected, Generation
+from gateway.sse import chat_logprobs
 from gateway.tools import call_id, calls_lead, calls_of_answer
 from gateway.types import Chunk, StepOutput, TokenLogprob
 
@@ -220,27 +221,21 @@ def text_part(text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": output_logprobs(logprobs)}
 
 
-def _entry(token: str, logprob: float | None) -> dict[str, Any]:
-    return {"token": token, "logprob": -9999.0 if logprob is None else logprob}
-
-
 def output_logprobs(items: list[TokenLogprob] | None) -> list[dict[str, Any]]:
-    """An ``output_text`` part's logprobs: each token with its UTF-8 bytes, and its top
-    alternatives likewise."""
-    return [
-        {
-            **_entry(t.token, t.logprob),
-            "bytes": list(t.token.encode()),
-            "top_logprobs": [{**_entry(s, lp), "bytes": list(s.encode())} for s, lp in t.top],
-        }
-        for t in items or ()
-    ]
+    """An ``output_text`` part's logprobs: chat's ``logprobs.content`` entries (each token
+    with its UTF-8 bytes, and its top alternatives likewise)."""
+    logprobs = chat_logprobs(items)
+    return logprobs["content"] if logprobs is not None else []
 
 
 def event_logprobs(items: list[TokenLogprob] | None) -> list[dict[str, Any]]:
     """The text events' logprobs (``response.output_text.delta`` and ``.done``): no bytes."""
     return [
-        {**_entry(t.token, t.logprob), "top_logprobs": [_entry(s, lp) for s, lp in t.top]}
+        {
+            "token": t.token,
+            "logprob": t.logprob,
+            "top_logprobs": [{"token": s, "logprob": lp} for s, lp in t.top],
+        }
         for t in items or ()
     ]
 
@@ -295,16 +290,17 @@ class ResponseEventEncoder:
             if chunk.finish_reason is not None:
                 self.finish_reason = chunk.finish_reason
             self.take_logprobs(chunk)
-            if chunk.text and self.unsent:
-                self.text.append(chunk.text)
+            if not chunk.text:
+                continue  # its tokens' logprobs, if any, ride on the next delta
+            self.text.append(chunk.text)
+            if self.unsent:
                 logprobs = self.unsent_logprobs()
                 out.append(
                     self.event(
                         "response.output_text.delta", **self._where, delta=chunk.text, logprobs=logprobs
                     )
                 )
-            elif chunk.text:
-                self.text.append(chunk.text)
+            else:
                 out.append(
                     self._delta_prefix
                     + str(self.sequence).encode()
