@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 UNKNOWN = "unknown"
+RETIRED_KEPT = 64  # route names a reload removed that keep their label (set_routes)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
@@ -199,13 +200,35 @@ class GatewayMetrics:
             registry=registry,
         )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
+        self._current: frozenset[str] = frozenset()
+        self._retired: dict[str, None] = {}  # names reloads removed, oldest first
         self._routes: frozenset[str] = frozenset()
 
     def set_routes(self, names: frozenset[str]) -> None:
-        """The catalog's routes, added to those it had: a request admitted on a route that a
-        reload then renamed or removed is counted under the route that served it (the names
-        are the operator's, never a client's, so the labels stay bounded)."""
-        self._routes = self._routes | names
+        """The catalog's routes. A name a reload removed or renamed stays a label for the
+        next ``RETIRED_KEPT`` removals, so a request admitted under it is counted under the
+        route that served it; older ones lose their series, so weeks of renames do not grow
+        ``/metrics`` (the names are the operator's, never a client's)."""
+        for name in self._current - names:
+            self._retired[name] = None
+        for name in names:
+            self._retired.pop(name, None)
+        while len(self._retired) > RETIRED_KEPT:
+            self._drop(next(iter(self._retired)))
+        self._current = names
+        self._routes = names | self._retired.keys()
+
+    def _drop(self, route: str) -> None:
+        del self._retired[route]
+        by_route: list[Counter | Histogram] = [self.prompt_tokens, self.completion_tokens, self.adapter_loads]
+        by_route += [self.ttft, self.itl, self.e2e, self.adapter_load_seconds, self.adapter_wait]
+        for metric in (*by_route, self.adapter_wait_timeouts):
+            metric.remove(route)
+        for state in ("cold", "warm"):
+            self.adapter_ttft.remove(route, state)
+        for status in (*map(str, _STATUSES), "other"):
+            for stream in ("true", "false"):
+                self.requests.remove(route, status, stream)
 
     def route_label(self, name: str | None) -> str:
         return name if name is not None and name in self._routes else UNKNOWN

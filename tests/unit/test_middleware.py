@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from gateway.errors import EngineFailed
+from gateway.metrics import RETIRED_KEPT
 from tests.helpers import (
     assert_openai_error,
     chat_body,
@@ -859,6 +860,26 @@ async def test_a_request_on_a_route_a_reload_renamed_counts_under_the_route_that
     labels = {"route": "shout", "status": "200", "stream": "false"}
     assert registry.get_sample_value("gateway_requests_total", labels) == 1
     assert registry.get_sample_value("gateway_requests_total", {**labels, "route": "unknown"}) is None
+
+
+async def test_renaming_a_route_again_and_again_keeps_the_metrics_bounded(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """Each reload renamed the route; every name ever served kept its label and its series
+    (about eight each), so weeks of renames grew /metrics without end. Names a reload
+    removed keep their label for the next RETIRED_KEPT removals only."""
+    served = await serve()
+    registry = served.gw.metrics.registry
+    renames = RETIRED_KEPT + 40
+    for i in range(renames):
+        (tmp_path / "adapters.yaml").write_text(f"routes:\n  - {{name: r{i}, adapter: shout}}\n")
+        assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).status_code == 200
+        assert (await served.http.post("/v1/chat/completions", json=chat_body(f"r{i}"))).status_code == 200
+    routes = {s.labels["route"] for m in registry.collect() for s in m.samples if "route" in s.labels}
+    kept = {f"r{i}" for i in range(renames - RETIRED_KEPT - 1, renames)}
+    assert routes - {BASE, "unknown"} == kept
+    labels = {"route": f"r{renames - 1}", "status": "200", "stream": "false"}
+    assert registry.get_sample_value("gateway_requests_total", labels) == 1
 
 
 async def test_every_status_the_gateway_sends_on_inference_paths_has_its_own_label(serve: Serve) -> None:

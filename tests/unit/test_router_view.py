@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
-from gateway.metrics import router_view
+from gateway.metrics import RETIRED_KEPT, GatewayMetrics, router_view
 from tests.helpers import eventually_async
 from tests.unit.conftest import ADMIN, Serve
 from tests.unit.fakes import FakeEngine
@@ -140,3 +141,30 @@ async def test_metrics_keep_only_the_newest_of_vllms_lora_info(
         'vllm:lora_requests_info{max_lora="2",running_lora_adapters="json",waiting_lora_adapters="shout"} 101.0'
     ]
     assert 'gateway_lora_requests_info{max_lora="2",running_lora_adapters="json"' in metrics
+
+
+def test_a_route_name_dropped_from_the_labels_leaves_no_series_behind() -> None:
+    """Every route-labelled metric, one added later included: a name past RETIRED_KEPT
+    removals has no series left in any of them, and the routes still labelled keep theirs."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    by_route = [
+        m for m in vars(metrics).values() if isinstance(m, MetricWrapperBase) and "route" in m._labelnames
+    ]
+    assert len(by_route) >= 10
+    metrics.set_routes(frozenset({"old", "kept"}))
+    for metric in by_route:
+        for name in ("old", "kept"):
+            values = {n: name if n == "route" else "200" for n in metric._labelnames}
+            if "adapter_state" in values:
+                values["adapter_state"] = "cold"
+            if "stream" in values:
+                values["stream"] = "true"
+            child = metric.labels(**values)
+            child.observe(1) if hasattr(child, "observe") else child.inc()
+    metrics.set_routes(frozenset({"kept"}))
+    for i in range(RETIRED_KEPT + 1):  # "old", then 64 more names removed
+        assert metrics.route_label("old") == "old"
+        metrics.set_routes(frozenset({"kept", f"r{i}"}))
+    assert metrics.route_label("old") == "unknown" and metrics.route_label("kept") == "kept"
+    routes = {s.labels["route"] for m in metrics.registry.collect() for s in m.samples if "route" in s.labels}
+    assert routes == {"kept"}
