@@ -391,8 +391,10 @@ class AdapterSlots:
         path = self.paths.pop(lora_id, None)
         if path is not None:
             self._discard_copy(path)
-        if was_pinned and self.scheduler is not None:  # its slot is free for unpinned adapters again
-            self.scheduler.pins_changed()
+        if self.scheduler is not None:
+            self.scheduler.removed(lora_id)
+            if was_pinned:  # its slot is free for unpinned adapters again
+                self.scheduler.pins_changed()
         if was_pinned or pinning is not None:
             await self._pin_next_waiting()
 

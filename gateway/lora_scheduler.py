@@ -271,6 +271,12 @@ class LoraScheduler:
         self._fill()
         self._arm()
 
+    def removed(self, lora_id: int) -> None:
+        """The engine dropped this adapter version (``AdapterSlots.remove``, once drained);
+        its id never comes back, so its turns go: a gateway that is never idle would keep
+        them for every version a hot swap ever served."""
+        self._share.forget(lora_id)
+
     def _activate(self, adapter: _Adapter) -> None:
         adapter.granted_at = self._clock()
         adapter.draining = False
@@ -470,6 +476,9 @@ class _FairShare:
         self._routes.clear()
         self._keys.clear()
         self._route_clock = self._key_clock = 0.0
+
+    def forget(self, lora_id: int) -> None:
+        self._routes.pop(lora_id, None)
 
     def _route(self, adapter: _Adapter) -> float:
         return max(self._routes.get(adapter.lora_id, 0.0), self._route_clock)

@@ -252,6 +252,22 @@ async def _alternating_backlogs(
     return grants
 
 
+async def test_a_busy_scheduler_forgets_the_turns_of_adapter_versions_removed() -> None:
+    """Never idle (one adapter always in the engine), the fair share kept a virtual time
+    for every adapter version it had served: a hot swap's version has a new id, never
+    reused, so weeks of swaps grew it without end. A version the engine dropped goes."""
+    s = make(slots=2, quantum_s=0.0)
+    busy = await s.turn(A, ME)
+    for lora_id in range(100, 600):
+        ticket = await s.turn(lora("swapped", lora_id), ME)
+        assert ticket is not None
+        ticket.release()
+        s.removed(lora_id)
+    assert set(s._share._routes) == {1}  # A
+    assert busy is not None
+    busy.release()
+
+
 async def test_fair_across_keys_before_routes() -> None:
     """A key that floods many routes does not crowd out a key with one request."""
     s = make(slots=1)

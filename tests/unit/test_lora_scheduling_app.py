@@ -190,3 +190,39 @@ async def test_priority_goes_to_vllm_only_under_its_priority_policy(tmp_path: An
             pass
         seen[policy] = engine.kwargs[0].get("priority")
     assert seen == {"fcfs": None, "priority": -1}
+
+
+class _HoldOne(FakeEngine):
+    """Requests on the ``json`` adapter wait for ``hold``; the others run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = asyncio.Event()
+        self.holding = 0
+
+    async def generate(self, prompt_ids, sampling, request_id, lora, priority=0):  # type: ignore[no-untyped-def]
+        if lora is not None and lora.name == "json":
+            self.holding += 1
+            await self.hold.wait()
+        async for step in super().generate(prompt_ids, sampling, request_id, lora, priority):
+            yield step
+
+
+async def test_hot_swaps_under_steady_traffic_leave_no_turns_behind(serve: Serve, tmp_path: Path) -> None:
+    """A gateway that is never idle (a ``json`` request always in the engine) and swaps
+    ``shout``'s files 40 times: the scheduler kept a fair-share time for each version it
+    had served (41), so weeks of swaps grew it without end."""
+    engine = _HoldOne()
+    served = await serve(engine, engine__max_loras=3)
+    held = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    await eventually_async(lambda: engine.holding == 1, 5, "json in the engine")
+    config = tmp_path / "adapters" / "shout" / "adapter_config.json"
+    for version in range(40):
+        config.write_text(config.read_text().replace('"lora_alpha": ', f'"lora_alpha": 1{version}', 1))
+        assert (await served.http.post("/admin/adapters/reload", headers=ADMIN)).json()["routes"]
+        assert (await served.http.post("/v1/chat/completions", json=body("shout"))).status_code == 200
+        await served.gw.catalog_or_503().remove_drained()
+    assert served.gw.scheduler is not None
+    assert len(served.gw.scheduler._share._routes) <= 2  # json's and the live shout's
+    engine.hold.set()
+    assert (await held).status_code == 200
