@@ -42,10 +42,12 @@ from gateway.structured import choose, describe, request_constraint
 from gateway.tokenizing import PromptTokenizer, TokenBound, token_bound
 from gateway.tools import (
     NO_TOOLS,
+    ToolDef,
     ToolPlan,
     answer_or_calls_schema,
     check_tool_messages,
     in_answer_terms,
+    offered_tools,
     plan_tools,
     template_messages,
     tool_template,
@@ -372,21 +374,27 @@ class ChatService:
         )
 
     async def tokenize(
-        self, route: Route, text: str | list[Message], add_special_tokens: bool, **template_kwargs: Any
+        self,
+        route: Route,
+        text: str | list[Message],
+        add_special_tokens: bool,
+        tools: list[ToolDef] | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a text, or of messages as the route's chat prompt (the route's
-        template and system prompt, as ``chat`` builds them): ``/tokenize``."""
+        template and system prompt, and ``tools`` offered, as ``chat`` builds them):
+        ``/tokenize``."""
         if isinstance(text, str):
             return await self._tokenize(lambda: text, add_special_tokens, size=len(text), background=True)
         check_tool_messages(text, answered_at_end=False)
         messages = _with_system(template_messages(text), route)
-        template = route.chat_template
-        if uses_tools(NO_TOOLS, text):  # tool turns: the template chat would use
+        template, offered = route.chat_template, offered_tools(tools)
+        if offered or uses_tools(NO_TOOLS, text):  # tools or tool turns: the template chat would use
             template = template or tool_template()
         return await self._tokenize(
-            lambda: self._chat_text(messages, template, **template_kwargs),
+            lambda: self._chat_text(messages, template, offered, **template_kwargs),
             add_special_tokens,
-            size=_size(text, route),
+            size=_size(text, route, offered),
             background=True,
         )
 

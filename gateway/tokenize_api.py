@@ -1,7 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize``, with vLLM's request and response shapes.
 
 ``/tokenize`` takes a ``prompt`` (text, special tokens added by default) or ``messages``
-(rendered as the route's chat prompt: its template and system prompt, as for chat) and
+(rendered as the route's chat prompt: its template and system prompt, as for chat, with
+``tools`` as a chat offering them renders them) and
 answers ``{count, max_model_len, tokens}`` (plus ``token_strs`` if asked). ``/detokenize``
 takes ``tokens`` and answers ``{prompt}``. ``model`` (or ``task``) picks the route, as on
 /v1/*; without either, the base model's. They need a key like everything but public
@@ -21,6 +22,7 @@ from gateway.errors import InvalidRequest
 from gateway.protocol import Message, _Request, null_is_default
 from gateway.responses import read_json
 from gateway.state import Gateway
+from gateway.tools import ToolDef
 
 
 class TokenizeRequest(_Request):
@@ -32,6 +34,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[ToolDef] | None = Field(None, max_length=128)  # rendered as chat renders them
 
     _nulls = field_validator(  # null: the default, as vLLM takes it
         "add_generation_prompt", "continue_final_message", "return_token_strs", mode="before"
@@ -46,9 +49,13 @@ class TokenizeRequest(_Request):
                 "Cannot set both continue_final_message and add_generation_prompt to true",
                 param="continue_final_message",
             )
-        for name in ("chat_template", "chat_template_kwargs", "tools"):
+        for name in ("chat_template", "chat_template_kwargs"):
             if (self.model_extra or {}).get(name):
                 raise InvalidRequest(f"'{name}' is not supported: the route's template applies", param=name)
+        if self.tools is not None and self.messages is None:
+            raise InvalidRequest("'tools' needs 'messages': a prompt is tokenized as it is", param="tools")
+        if self.tools == []:  # as chat
+            raise InvalidRequest("'tools' must not be an empty array; leave it out instead", param="tools")
         return self
 
 
@@ -74,6 +81,7 @@ async def tokenize(request: Request) -> Response:
                 bool(body.add_special_tokens),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
+                tools=body.tools,
             )
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens

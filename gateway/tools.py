@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path
@@ -139,12 +139,18 @@ class ToolPlan:
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The ``tools`` argument of the chat template (None: render as a plain chat)."""
-        if self.mode == "none" or not self.tools:
-            return None
-        return [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in self.tools]
+        return None if self.mode == "none" else offered_tools(self.tools)
 
 
 NO_TOOLS = ToolPlan("none")
+
+
+def offered_tools(tools: Sequence[FunctionDef | ToolDef] | None) -> list[dict[str, Any]] | None:
+    """The chat template's ``tools`` argument for these functions (None: none offered)."""
+    if not tools:
+        return None
+    functions = (t.function if isinstance(t, ToolDef) else t for t in tools)
+    return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
 
 
 def plan_tools(request: ChatCompletionRequest) -> ToolPlan:

@@ -155,6 +155,29 @@ async def test_tokenize_counts_chats_prompt_with_tool_turns(serve: Serve) -> Non
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
 
 
+@needs_model
+async def test_tokenize_counts_chats_prompt_with_tools_offered(serve: Serve) -> None:
+    """vLLM's /tokenize takes ``tools``; here it was a 400, so a client could not count the
+    prompt of a chat offering tools (the tools template renders them into it)."""
+    engine = GemmaTokenizerEngine(max_model_len=4000)
+    assert engine.tokenizer is not None
+    served = await serve(engine)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    counts = []
+    for offered in (tools, None):
+        body = {"model": "base", "messages": messages} | ({"tools": offered} if offered else {})
+        chat = await served.http.post("/v1/chat/completions", json=body)
+        counted = await served.http.post("/tokenize", json=body)
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+        counts.append(counted.json()["count"])
+    assert counts[0] > counts[1] + 10  # the tools are in the prompt
+    for bad in ({"messages": messages, "tools": []}, {"prompt": "Hi", "tools": tools}):
+        r = await served.http.post("/tokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 # -- POST /chat honours chat's sampling fields and refuses what its stream cannot carry ------
 async def test_house_chat_passes_sampling_fields_on(serve: Serve) -> None:
     served = await serve()
