@@ -228,7 +228,8 @@ def check_adapter(
         message = f"trained for base model '{base}', this engine serves '{base_name}'"
         if strict_base_model:
             raise ConfigError(f"{name}: {message} (strict_base_model)")
-        warnings.append(f"{message}; accepted because its weights fit the model")
+        why = "because its weights fit the model" if model is not None else "(no model here to check it)"
+        warnings.append(f"{message}; accepted {why}")
     return AdapterInfo(config, rank, tuple(warnings))
 
 

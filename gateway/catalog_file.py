@@ -54,7 +54,7 @@ class SamplingDefaults(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # 0 or -1: off (a model's own top_k, undone)
     min_p: float | None = Field(None, ge=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
-    repetition_penalty: float | None = Field(None, ge=1e-30, le=2)  # logit / it: finite in float32
+    repetition_penalty: float | None = Field(None, ge=1e-30, le=1e30)  # as a request may: logit / it, finite
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
 

@@ -32,7 +32,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--port", "server.port", int, "port to bind"),
     ("--workers", "server.workers", int, "uvicorn workers (must be 1: one engine per process)"),
     ("--log-level", "server.log_level", str, "debug, info, warning or error"),
-    ("--model", "engine.model", str, "model directory (default: embedded Gemma 3 270M)"),
+    ("--model", "engine.model", str, "model directory or Hugging Face repo id (default: embedded Gemma 3)"),
     ("--served-model-name", "engine.served_model_name", str, "name of the base model route"),
     ("--dtype", "engine.dtype", str, "auto, float32, bfloat16, float16 (half), float"),
     ("--max-model-len", "engine.max_model_len", int, "context length"),
@@ -206,9 +206,18 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         base_name = settings.engine.served_model_name or EMBEDDED_NAME
         embedded = embedded_model_dir(settings.cache_dir / "models")
         modules = model_shapes(embedded) if is_prepared(embedded) else None
+        where = str(embedded)
     else:
         base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
         modules = model_shapes(model)
+        where = model
+    if modules is None:  # as the gateway's start says it (state.py), not a silent pass
+        print(
+            f"NOTE: no safetensors weights of the model at {where}: adapters are checked without "
+            "the model's module shapes (their own tensors still are; vLLM checks the rest when it "
+            "loads each)",
+            file=sys.stderr,
+        )
     # load_table logs nothing: this command reports each rejected entry and warning (below).
     table = load_table(
         settings.catalog,

@@ -151,6 +151,14 @@ def test_defaults_are_carried(tmp_path: Path, root: Path) -> None:
     assert shout.defaults.max_tokens == 32
 
 
+def test_a_route_default_may_be_what_a_request_may_send(tmp_path: Path, root: Path) -> None:
+    """A repetition_penalty default above 2 rejected its entry, though a request may send
+    it (up to 1e30, as vLLM takes any positive value)."""
+    text = "routes:\n  - {name: strict, system_prompt: Hi, defaults: {repetition_penalty: 2.5}}\n"
+    table = table_for(tmp_path, root, text)
+    assert not table.errors and table.resolve("strict").defaults.repetition_penalty == 2.5
+
+
 @pytest.mark.parametrize(
     ("adapter", "reason"),
     [
