@@ -40,7 +40,9 @@ class _Section(BaseModel):
 class EngineSettings(_Section):
     """Engine arguments, named as vLLM names them."""
 
-    model: str | None = Field(None, description="model directory; empty = embedded Gemma 3 270M")
+    model: str | None = Field(
+        None, description="model directory or Hugging Face repo id; empty = embedded Gemma 3 270M"
+    )
     served_model_name: str | None = None
     tokenizer: str | None = None
     # vLLM's own choices (ModelConfig.dtype): checked here, not after the engine's imports.
@@ -58,7 +60,7 @@ class EngineSettings(_Section):
     max_loras: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
         description="adapters in GPU slots at once; auto: one per catalog adapter plus one, at least 4, "
-        "while the slots take at most 1 GiB",
+        "at most max_num_seqs (and max_cpu_loras where set), while the slots take at most 1 GiB",
     )
     max_lora_rank: int = Field(16, ge=1)
     max_cpu_loras: int | None = Field(
