@@ -44,7 +44,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
-from gateway.structured import schema_problem, schema_size_problem
+from gateway.structured import schema_problem, schema_size_problem, xgrammar_gap
 from gateway.types import Constraint
 
 if TYPE_CHECKING:
@@ -330,22 +330,22 @@ def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[
     branches = []
     for fn in tools:
         defs.update(_lifted(fn.name, arguments_schema(fn)))
-        branches.append(
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "enum": [fn.name]},
-                    "arguments": {"$ref": f"#/$defs/{fn.name}"},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
+        branches.append(_call([fn.name], {"$ref": f"#/$defs/{fn.name}"}))
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if parallel is False:
         schema["maxItems"] = 1
     schema["$defs"] = defs
     return schema
+
+
+def _call(names: list[str], arguments: dict[str, Any]) -> dict[str, Any]:
+    """One call as the ``json`` parser reads it: one of ``names``, with ``arguments``."""
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": names}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 # The answer's own schema among the calls' $defs: a tool name has no dot, so no tool's
@@ -358,22 +358,29 @@ def answer_or_calls_schema(
 ) -> dict[str, Any]:
     """Under ``tool_choice: auto`` with a JSON-schema response format: the answer in that
     format, or calls as the ``json`` parser reads them (one call object, or a list of them).
-    OpenAI lets the model do either; the format alone would leave no room for a call. A
-    call's arguments are any JSON object, as under ``auto`` without a format (read, not
-    decoded against the tool's schema, so a tool's schema cannot fail the format)."""
-    call = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "enum": [fn.name for fn in tools]},
-            "arguments": {"type": "object"},
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
+    OpenAI lets the model do either; the format alone would leave no room for a call.
+    A strict function's arguments are decoded against its parameters: the parser takes a
+    call to it only if they validate (OpenAI's promise), and text here must be the answer,
+    so free arguments gave neither a call nor the format. Another function's arguments are
+    any JSON object, as under ``auto`` without a format (read, not decoded, so its schema
+    cannot fail the format), and so are a strict one's whose schema xgrammar would not
+    enforce whole (``xgrammar_gap``: the parser still holds its promise)."""
+    defs = _lifted(_ANSWER, answer)
+    loose: list[str] = []
+    strict: list[dict[str, Any]] = []
+    for fn in tools:
+        params = arguments_schema(fn)
+        if fn.strict and xgrammar_gap(params) is None:
+            defs.update(_lifted(fn.name, params))
+            strict.append(_call([fn.name], {"$ref": f"#/$defs/{fn.name}"}))
+        else:
+            loose.append(fn.name)
+    branches = ([_call(loose, {"type": "object"})] if loose else []) + strict
+    calls: dict[str, Any] = {"type": "array", "minItems": 1}
+    calls["items"] = branches[0] if len(branches) == 1 else {"anyOf": branches}
     if not parallel:
         calls["maxItems"] = 1
-    return {"anyOf": [{"$ref": f"#/$defs/{_ANSWER}"}, call, calls], "$defs": _lifted(_ANSWER, answer)}
+    return {"anyOf": [{"$ref": f"#/$defs/{_ANSWER}"}, *branches, calls], "$defs": defs}
 
 
 def in_answer_terms(message: str) -> str:

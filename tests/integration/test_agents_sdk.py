@@ -9,9 +9,11 @@ valid, and ends with the tool's output."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Annotated
 
 import agents
 import openai
+import pydantic
 import pytest
 import pytest_asyncio
 
@@ -82,3 +84,39 @@ async def test_top_logprobs_come_back_on_the_message(client: openai.AsyncOpenAI)
     joined = "".join(lp.token for lp in part.logprobs).removesuffix("<end_of_turn>")
     assert joined == part.text == result.final_output
     assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+
+
+class Report(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    weather: str = pydantic.Field(max_length=20)
+
+
+async def test_an_agent_with_an_output_type_and_strict_tools_ends_well(client: openai.AsyncOpenAI) -> None:
+    """The SDK's function tools are strict and an output_type is sent as the format with
+    them (tool_choice auto): the answers were call-shaped text, neither a call nor a
+    Report, and the run failed with ModelBehaviorError. Each run now calls the tool
+    (stopping on its result) or ends with a Report."""
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, pydantic.Field(max_length=20)]) -> str:
+        """Get the current weather in a city."""
+        seen.append(city)
+        return "22 C"
+
+    for _ in range(4):
+        agent = agents.Agent(
+            name="reporter",
+            instructions="Report the weather.",
+            tools=[get_weather],
+            output_type=Report,
+            model=agents.OpenAIResponsesModel(model="base", openai_client=client),
+            model_settings=agents.ModelSettings(temperature=1.0, max_tokens=120),
+            tool_use_behavior="stop_on_first_tool",
+        )
+        before = len(seen)
+        result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+        if len(seen) > before:  # it called the tool, and stopped on its result
+            assert result.final_output == "22 C"
+        else:
+            assert isinstance(result.final_output, Report)

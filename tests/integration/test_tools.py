@@ -234,6 +234,41 @@ def test_auto_tools_with_a_json_schema_answer_or_call(client: openai.OpenAI) -> 
             jsonschema.validate(json.loads(msg.content or ""), schema)
 
 
+def test_strict_tools_with_a_json_schema_give_valid_calls_or_the_answer(client: openai.OpenAI) -> None:
+    """Strict tools (openai-agents' default) under auto with a response format: a call's
+    arguments were free, and the parser takes a strict call only if they validate, so most
+    answers were call-shaped text that followed neither the tool nor the format."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "weather": {"type": "string", "maxLength": 20},
+        },
+        "required": ["city", "weather"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="base",
+        messages=ASK,
+        tools=[strict],  # type: ignore[list-item]
+        response_format={"type": "json_schema", "json_schema": {"name": "Report", "schema": schema}},
+        max_tokens=120,
+        temperature=1.0,
+        n=6,
+        seed=1,
+    )
+    finished = [c for c in r.choices if c.finish_reason in ("stop", "tool_calls")]
+    assert len(finished) >= 4, [c.finish_reason for c in r.choices]
+    for choice in finished:
+        msg = choice.message
+        if msg.tool_calls:
+            for call in msg.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)  # type: ignore[union-attr]
+        else:
+            jsonschema.validate(json.loads(msg.content or ""), schema)
+
+
 def test_auto_answer_is_text_or_valid_calls(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model="base", messages=ASK, tools=[WEATHER, TIME], max_tokens=40, temperature=0)
     whole = client.chat.completions.create(**kw)

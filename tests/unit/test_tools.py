@@ -1032,6 +1032,43 @@ def test_auto_tools_and_a_json_schema_admit_an_answer_or_calls() -> None:
     assert not jsonschema.Draft202012Validator(one).is_valid([A_CALL, A_CALL])
 
 
+def test_a_strict_functions_arguments_are_decoded_against_its_schema_beside_the_answer() -> None:
+    """Under auto with a format, a strict function's call had any arguments; the parser takes
+    a strict call only if they validate, so the answer was call-shaped text that followed
+    neither (openai-agents: tools strict by default, an agent's output_type the format)."""
+    import jsonschema
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from gateway.tools import answer_or_calls_schema
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+    gap = {  # a strict function xgrammar could not enforce whole: its arguments stay free
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "strict": True,
+            "parameters": {"type": "object", "anyOf": [{"required": ["id"]}]},
+        },
+    }
+    plan = plan_tools(request(tools=[strict, ADD, gap]))
+    schema = answer_or_calls_schema(plan.tools, plan.parallel, CITY)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    weather = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+    takes = [weather, A_CALL, {"name": "lookup", "arguments": {"x": 1}}, [weather, A_CALL], {"name": "Oslo"}]
+    refuses = [
+        {"name": "get_weather", "arguments": {"city": ["Paris", {"type": "string"}]}},
+        {"name": "get_weather", "arguments": {"days": 2}},
+        [A_CALL, {"name": "get_weather", "arguments": {}}],
+    ]
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in takes:
+        assert validator.is_valid(value) and _is_grammar_accept_string(grammar, json.dumps(value)), value
+    for value in refuses:
+        accepted = _is_grammar_accept_string(grammar, json.dumps(value))
+        assert not validator.is_valid(value) and not accepted, value
+
+
 def _engine_constraint(engine: Any) -> Any:
     return engine.calls[-1][1].constraint
 
