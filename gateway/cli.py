@@ -46,12 +46,17 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--catalog", "catalog", str, "adapter catalog YAML"),
     ("--adapters-root", "adapters_root", str, "folder adapters must live in"),
 ]
+# What `adapters list` / `validate` read: the catalog, and the model its adapters are checked against.
+_CATALOG_FLAGS = frozenset(
+    {"--model", "--served-model-name", "--max-lora-rank", "--catalog", "--adapters-root"}
+)
 
 
-def _settings_args(parser: argparse.ArgumentParser) -> None:
+def _settings_args(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
     parser.add_argument("--config", help="settings YAML (default configs/gateway.yaml, or GATEWAY_CONFIG)")
     for flag, key, kind, help_text in _FLAGS:
-        parser.add_argument(flag, dest=key, type=kind, help=help_text)
+        if only is None or flag in only:
+            parser.add_argument(flag, dest=key, type=kind, help=help_text)
     parser.add_argument(
         "--set",
         action="append",
@@ -66,7 +71,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     null is a value: ``--set engine.max_model_len=null``."""
     found: dict[str, Any] = {"config": args.config} if args.config is not None else {}
     for _, key, _, _ in _FLAGS:
-        if getattr(args, key) is not None:
+        if getattr(args, key, None) is not None:  # a command may not take every flag
             found[key] = getattr(args, key)
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -115,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
     for name, text in (("list", "list routes"), ("validate", "check the catalog without starting an engine")):
         p = adapters_sub.add_parser(name, help=text, description=text)
-        _settings_args(p)
+        _settings_args(p, _CATALOG_FLAGS)
 
     chat = sub.add_parser(
         "chat", help="chat with a running gateway", description="Stream answers from a running gateway."

@@ -168,3 +168,12 @@ def test_a_prepared_model_gets_the_gateways_chat_template_without_preparing_agai
         "chat_template.jinja",
         "tokenizer_config.json",
     ]
+
+
+def test_adapters_commands_take_only_the_flags_they_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """``adapters list --help`` listed --port, --workers, --dtype...: taken and ignored."""
+    args = build_parser().parse_args(["adapters", "validate", "--model", "m", "--max-lora-rank", "8"])
+    assert _overrides(args) == {"engine.model": "m", "engine.max_lora_rank": 8}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["adapters", "list", "--port", "9"])
+    assert "unrecognized arguments: --port 9" in capsys.readouterr().err
