@@ -320,7 +320,7 @@ def test_malformed_yaml_is_one_line(env: pytest.MonkeyPatch, tmp_path: Path) -> 
 def test_cli_invalid_setting_exits_2_without_traceback(
     env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], yaml_file: Path
 ) -> None:
-    code = main(["adapters", "validate", "--config", str(yaml_file), "--max-num-seqs", "0"])
+    code = main(["adapters", "validate", "--config", str(yaml_file), "--set", "engine.max_num_seqs=0"])
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: engine.max_num_seqs:")
@@ -332,8 +332,8 @@ def test_cli_invalid_setting_exits_2_without_traceback(
     [
         (["--set", "engine.dtype=[unclosed"], "error: --set engine.dtype: the value is not valid YAML ("),
         (
-            ["--max-num-seqs", "4", "--set", "engine.max_num_seqs.x=1"],
-            "error: engine.max_num_seqs.x: engine.max_num_seqs is a value, not a section\n",
+            ["--max-lora-rank", "4", "--set", "engine.max_lora_rank.x=1"],
+            "error: engine.max_lora_rank.x: engine.max_lora_rank is a value, not a section\n",
         ),
     ],
 )
