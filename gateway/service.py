@@ -45,6 +45,7 @@ from gateway.tools import (
     ToolDef,
     ToolPlan,
     answer_or_calls_schema,
+    arguments_schema,
     check_tool_messages,
     in_answer_terms,
     offered_tools,
@@ -305,8 +306,14 @@ class ChatService:
         not chat's (``max_output_tokens``), for the errors that name it."""
         route = lease.route
         plan, shape = await self.check_schemas(
-            lambda: _chat_shape(request, route, constraint), _carries_schemas(request)
+            lambda: _chat_shape(request, route, constraint, self._grammar_holds), _carries_schemas(request)
         )
+        if plan.constraint is not None and (request.stop or request.stop_token_ids):
+            self._check_stop(request)
+            # A forced call is all JSON, which its grammar ends. Stop sequences end text (OpenAI's
+            # apply to the message content, of which such an answer has none); met inside the
+            # call, one cut it while the answer still said it was whole.
+            request = request.model_copy(update={"stop": None, "stop_token_ids": None})
         messages = _with_system(template_messages(request.messages), route)
         template, tools = route.chat_template, plan.template_tools()
         if uses_tools(plan, request.messages):  # the default Gemma template knows no tools
@@ -405,6 +412,15 @@ class ChatService:
             return await self.with_tokenizer(lambda tokenizer: str(tokenizer.decode(ids)), background=True)
         return str(self._engine.tokenizer.decode(ids))
 
+    def _grammar_holds(self, schema: dict[str, Any]) -> bool:
+        """Whether the engine's grammar backend takes ``schema`` and enforces all of it (its
+        check, remembered once passed: an app sends the same tools with every request)."""
+        try:
+            self._engine.prepare(SamplingSpec(max_tokens=1, constraint=Constraint("json", schema)))
+        except InvalidRequest:
+            return False
+        return True
+
     async def check_schemas(self, check: Callable[[], T], carries_schemas: bool = True) -> T:
         """``check()``, a request's checks of its JSON schemas (tools' ``parameters``, a
         ``response_format``), in a thread when it carries any (``_SCHEMA_CHECKS``)."""
@@ -502,19 +518,14 @@ class ChatService:
         limits = self._limits
         if request.n > limits.max_n:
             raise InvalidRequest(f"n must be at most {limits.max_n}", param="n")
-        if len(request.stop_list) > limits.max_stop:
-            raise InvalidRequest(f"at most {limits.max_stop} stop sequences are allowed", param="stop")
+        self._check_stop(request)
         if logprobs is not None and logprobs > limits.max_logprobs:
             raise InvalidRequest(
                 f"{logprobs_param} must be at most {limits.max_logprobs}", param=logprobs_param
             )
-        if any(not s for s in request.stop_list):
-            raise InvalidRequest("stop sequences must not be empty", param="stop")
         vocab = len(self._engine.tokenizer)
         if any(token >= vocab for token in request.logit_bias or {}):
             raise InvalidRequest(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
-        if any(not 0 <= token < vocab for token in request.stop_token_ids or ()):
-            raise InvalidRequest(f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
         # Each prompt's budget is its own room in the context (as in vLLM), the longest's
         # refusal first: a batch's short prompt is not cut to what a long one leaves.
         prompt_param = "messages" if id_prefix == "chatcmpl" else "prompt"
@@ -555,6 +566,15 @@ class ChatService:
             copies=copies,
             scheduler=self._scheduler if lease.route.lora is not None else None,
         )
+
+    def _check_stop(self, request: SamplingFields) -> None:
+        if len(request.stop_list) > self._limits.max_stop:
+            raise InvalidRequest(f"at most {self._limits.max_stop} stop sequences are allowed", param="stop")
+        if any(not s for s in request.stop_list):
+            raise InvalidRequest("stop sequences must not be empty", param="stop")
+        vocab = len(self._engine.tokenizer)
+        if any(not 0 <= token < vocab for token in request.stop_token_ids or ()):
+            raise InvalidRequest(f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
 
     def _token_budget(
         self,
@@ -669,16 +689,21 @@ def _sampling(
 
 
 def _chat_shape(
-    request: ChatCompletionRequest, route: Route, given: Constraint | None
+    request: ChatCompletionRequest,
+    route: Route,
+    given: Constraint | None,
+    holds: Callable[[dict[str, Any]], bool],
 ) -> tuple[ToolPlan, tuple[Constraint | None, str]]:
     """How the answer is shaped: the tools' plan, and the constraint with the field it came
-    from (``given``: ``/v1/responses``' ``text.format``). Checks every schema of the request."""
+    from (``given``: ``/v1/responses``' ``text.format``). Checks every schema of the request;
+    ``holds``: whether the grammar backend enforces a JSON schema whole."""
     plan = plan_tools(request)
     if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
         _check_forced_calls(plan, request, route, given, _TEXT_FORMAT)
         return plan, (plan.constraint, "tools")
     shape, param = _constraint(request, route, given, _TEXT_FORMAT)
-    return plan, (_or_calls(plan, route, shape, param), param)
+    plan, constraint = _or_calls(plan, route, shape, param, holds)
+    return plan, (constraint, param)
 
 
 def _carries_schemas(request: SamplingFields) -> bool:
@@ -706,22 +731,34 @@ def _asked(
     return (given, given_param) if given is not None else (asked, param)
 
 
-def _or_calls(plan: ToolPlan, route: Route, shape: Constraint | None, param: str) -> Constraint | None:
+def _or_calls(
+    plan: ToolPlan,
+    route: Route,
+    shape: Constraint | None,
+    param: str,
+    holds: Callable[[dict[str, Any]], bool],
+) -> tuple[ToolPlan, Constraint | None]:
     """Under ``tool_choice: auto`` the model may call a tool or answer; a structured output
     shapes the answer, so the grammar takes either (as OpenAI; openai-agents sends an
     agent's ``output_type`` and its tools together). A route that enforces its format, or
-    reads no calls (``tool_parser: none``), keeps the format alone."""
+    reads no calls (``tool_parser: none``), keeps the format alone. A strict function's
+    arguments are decoded against its schema where the grammar backend holds it whole;
+    where not (a keyword it would ignore, a ``format`` it lacks), its calls are calls
+    whatever their arguments, as text here must be the answer."""
     if plan.mode != "auto" or not plan.tools or shape is None or route.tool_parser != "json":
-        return shape
+        return plan, shape
     if (route.enforce and route.response_format is not None) or shape.kind == "json_object":
-        return shape  # enforced; or any JSON object, which a call is
+        return plan, shape  # enforced; or any JSON object, which a call is
     if shape.kind != "json":
         raise InvalidRequest(
             f"a {shape.kind} structured output leaves no room for a tool call under tool_choice 'auto': "
             "use a JSON schema, or tool_choice 'none'",
             param=param or "structured_outputs",
         )
-    return Constraint("json", answer_or_calls_schema(plan.tools, plan.parallel, shape.value))
+    strict = frozenset(fn.name for fn in plan.tools if fn.strict)
+    decoded = frozenset(fn.name for fn in plan.tools if fn.name in strict and holds(arguments_schema(fn)))
+    plan = replace(plan, unchecked=strict - decoded)
+    return plan, Constraint("json", answer_or_calls_schema(plan.tools, plan.parallel, shape.value, decoded))
 
 
 def _check_forced_calls(

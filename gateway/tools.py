@@ -44,7 +44,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
-from gateway.structured import schema_problem, schema_size_problem, xgrammar_gap
+from gateway.structured import schema_problem, schema_size_problem
 from gateway.types import Constraint
 
 if TYPE_CHECKING:
@@ -120,6 +120,9 @@ class ToolPlan:
     named: str | None = None  # the function forced by a named tool_choice
     constraint: Constraint | None = None
     parallel: bool = True  # False: one call at most
+    # Strict functions whose calls are calls whatever their arguments: under ``auto`` with a
+    # format, those whose schema the grammar backend cannot hold (``answer_or_calls_schema``).
+    unchecked: frozenset[str] = frozenset()
     # Each offered function's name, with a validator of its arguments where it is ``strict``:
     # an ``auto`` answer's call to it is a call only if its arguments validate (OpenAI's
     # promise for strict functions; the grammar leaves ``auto`` free). Made once: a stream
@@ -127,7 +130,8 @@ class ToolPlan:
     names: dict[str, jsonschema.protocols.Validator | None] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "names", {t.name: _strict_validator(t) for t in self.tools})
+        names = {t.name: None if t.name in self.unchecked else _strict_validator(t) for t in self.tools}
+        object.__setattr__(self, "names", names)
 
     @property
     def first_name(self) -> str | None:
@@ -354,28 +358,27 @@ _ANSWER = "answer.schema"
 
 
 def answer_or_calls_schema(
-    tools: tuple[FunctionDef, ...], parallel: bool, answer: dict[str, Any]
+    tools: tuple[FunctionDef, ...], parallel: bool, answer: dict[str, Any], decoded: Collection[str] = ()
 ) -> dict[str, Any]:
     """Under ``tool_choice: auto`` with a JSON-schema response format: the answer in that
     format, or calls as the ``json`` parser reads them (one call object, or a list of them).
     OpenAI lets the model do either; the format alone would leave no room for a call.
-    A strict function's arguments are decoded against its parameters: the parser takes a
-    call to it only if they validate (OpenAI's promise), and text here must be the answer,
-    so free arguments gave neither a call nor the format. Another function's arguments are
-    any JSON object, as under ``auto`` without a format (read, not decoded, so its schema
-    cannot fail the format), and so are a strict one's whose schema xgrammar would not
-    enforce whole (``xgrammar_gap``: the parser still holds its promise)."""
+    The functions named in ``decoded`` (the strict ones whose schema the grammar backend
+    holds) have their arguments decoded against their parameters: the parser takes a call
+    to a strict function only if they validate, and text here must be the answer, so free
+    arguments gave neither a call nor the format. The others' arguments are any JSON object,
+    as under ``auto`` without a format (read, not decoded, so their schemas cannot fail
+    the format); a strict one among them is ``ToolPlan.unchecked``."""
     defs = _lifted(_ANSWER, answer)
     loose: list[str] = []
-    strict: list[dict[str, Any]] = []
+    held: list[dict[str, Any]] = []
     for fn in tools:
-        params = arguments_schema(fn)
-        if fn.strict and xgrammar_gap(params) is None:
-            defs.update(_lifted(fn.name, params))
-            strict.append(_call([fn.name], {"$ref": f"#/$defs/{fn.name}"}))
+        if fn.name in decoded:
+            defs.update(_lifted(fn.name, arguments_schema(fn)))
+            held.append(_call([fn.name], {"$ref": f"#/$defs/{fn.name}"}))
         else:
             loose.append(fn.name)
-    branches = ([_call(loose, {"type": "object"})] if loose else []) + strict
+    branches = ([_call(loose, {"type": "object"})] if loose else []) + held
     calls: dict[str, Any] = {"type": "array", "minItems": 1}
     calls["items"] = branches[0] if len(branches) == 1 else {"anyOf": branches}
     if not parallel:

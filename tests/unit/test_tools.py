@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 from pydantic import ValidationError
 
@@ -1043,19 +1044,11 @@ def test_a_strict_functions_arguments_are_decoded_against_its_schema_beside_the_
     from gateway.tools import answer_or_calls_schema
 
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
-    gap = {  # a strict function xgrammar could not enforce whole: its arguments stay free
-        "type": "function",
-        "function": {
-            "name": "lookup",
-            "strict": True,
-            "parameters": {"type": "object", "anyOf": [{"required": ["id"]}]},
-        },
-    }
-    plan = plan_tools(request(tools=[strict, ADD, gap]))
-    schema = answer_or_calls_schema(plan.tools, plan.parallel, CITY)
+    plan = plan_tools(request(tools=[strict, ADD]))
+    schema = answer_or_calls_schema(plan.tools, plan.parallel, CITY, decoded={"get_weather"})
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     weather = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
-    takes = [weather, A_CALL, {"name": "lookup", "arguments": {"x": 1}}, [weather, A_CALL], {"name": "Oslo"}]
+    takes = [weather, A_CALL, [weather, A_CALL], {"name": "Oslo"}]
     refuses = [
         {"name": "get_weather", "arguments": {"city": ["Paris", {"type": "string"}]}},
         {"name": "get_weather", "arguments": {"days": 2}},
@@ -1067,6 +1060,69 @@ def test_a_strict_functions_arguments_are_decoded_against_its_schema_beside_the_
     for value in refuses:
         accepted = _is_grammar_accept_string(grammar, json.dumps(value))
         assert not validator.is_valid(value) and not accepted, value
+
+
+def test_a_strict_function_the_grammar_cannot_hold_is_called_whatever_its_arguments() -> None:
+    """A strict function whose schema the backend refuses (pydantic's HttpUrl: ``format:
+    uri``) or would not enforce whole: beside a format its arguments stay free (decoding
+    them would fail the whole request), and its call is a call even where they do not
+    validate, since text there must be the format (it came back as text that was neither)."""
+    from gateway.errors import InvalidRequest
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    class NoFormats(ReadyEngine):
+        def prepare(self, sampling: Any) -> Any:
+            if sampling.constraint is not None and '"format"' in json.dumps(sampling.constraint.value):
+                raise InvalidRequest("features not supported by xgrammar", param="response_format")
+            return super().prepare(sampling)
+
+    fetch = {
+        "type": "function",
+        "function": {
+            "name": "fetch",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"url": {"type": "string", "format": "uri"}},
+                "required": ["url"],
+            },
+        },
+    }
+    strict_weather = {"type": "function", "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+    engine = NoFormats(words=['{"name": "fetch", "arguments": {"link": 3}}'], max_model_len=2000)
+    client = sdk(make_app(engine))
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": CITY, "strict": True}}
+    r = client.chat.completions.create(
+        model="base-model", messages=USER, tools=[fetch, strict_weather], response_format=fmt
+    )
+    (call,) = r.choices[0].message.tool_calls or []
+    assert call.function.name == "fetch" and json.loads(call.function.arguments) == {"link": 3}  # type: ignore[union-attr]
+    assert r.choices[0].finish_reason == "tool_calls"
+    decoded = _engine_constraint(engine).value["$defs"]
+    assert "get_weather" in decoded and "fetch" not in decoded  # the strict one it holds is decoded
+    # without a format a strict call still needs arguments that validate: text otherwise
+    r = client.chat.completions.create(model="base-model", messages=USER, tools=[fetch])
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_stop_sequences_do_not_cut_a_forced_call(choice: Any) -> None:
+    """A stop string met inside a forced call cut its arguments (``{"city": "``), and the
+    answer still said the call was whole (finish_reason tool_calls). A forced answer is all
+    call, which its grammar ends; stop sequences end text. Bad ones are still a 400."""
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    engine = ReadyEngine(words=["{}"], max_model_len=2000)
+    client = sdk(make_app(engine))
+    kw: dict[str, Any] = dict(model="base-model", messages=USER, tools=[WEATHER], tool_choice=choice)
+    client.chat.completions.create(stop=["Paris"], extra_body={"stop_token_ids": [7]}, **kw)
+    sampling = engine.calls[-1][1]
+    assert sampling.stop == () and sampling.stop_token_ids == () and sampling.constraint is not None
+    client.chat.completions.create(stop=["Paris"], **{**kw, "tool_choice": "auto"})
+    assert engine.calls[-1][1].stop == ("Paris",)  # text may follow: stop applies
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(stop=[""], **kw)
+    assert bad.value.body["param"] == "stop"  # type: ignore[index]
 
 
 def _engine_constraint(engine: Any) -> Any:
