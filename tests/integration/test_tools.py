@@ -269,6 +269,46 @@ def test_strict_tools_with_a_json_schema_give_valid_calls_or_the_answer(client: 
             jsonschema.validate(json.loads(msg.content or ""), schema)
 
 
+def test_a_strict_tool_the_grammar_cannot_hold_beside_a_format_is_served(client: openai.OpenAI) -> None:
+    """pydantic's HttpUrl (``format: uri``), which xgrammar refuses, in a strict tool beside an
+    output format (openai-agents with an output_type): the whole request was a 400 blamed on
+    the format. Now the tool's arguments stay free and the answer is a call or the format."""
+    fetch = {
+        "type": "function",
+        "function": {
+            "name": "fetch",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"url": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 30}},
+                "required": ["url"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 20}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="base",
+        messages=[{"role": "user", "content": "Fetch example.com"}],
+        tools=[fetch],  # type: ignore[list-item]
+        response_format={"type": "json_schema", "json_schema": {"name": "A", "schema": schema}},
+        max_tokens=80,
+        temperature=1.0,
+        n=3,
+        seed=2,
+    )
+    for choice in r.choices:
+        if choice.message.tool_calls:
+            assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)  # type: ignore[union-attr]
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
 def test_auto_answer_is_text_or_valid_calls(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model="base", messages=ASK, tools=[WEATHER, TIME], max_tokens=40, temperature=0)
     whole = client.chat.completions.create(**kw)
