@@ -306,7 +306,7 @@ class ChatService:
         not chat's (``max_output_tokens``), for the errors that name it."""
         route = lease.route
         plan, shape = await self.check_schemas(
-            lambda: _chat_shape(request, route, constraint, self._grammar_holds), _carries_schemas(request)
+            lambda: _chat_shape(request, route, constraint, self._grammar_check), _carries_schemas(request)
         )
         if plan.constraint is not None and (request.stop or request.stop_token_ids):
             self._check_stop(request)
@@ -412,14 +412,11 @@ class ChatService:
             return await self.with_tokenizer(lambda tokenizer: str(tokenizer.decode(ids)), background=True)
         return str(self._engine.tokenizer.decode(ids))
 
-    def _grammar_holds(self, schema: dict[str, Any]) -> bool:
-        """Whether the engine's grammar backend takes ``schema`` and enforces all of it (its
-        check, remembered once passed: an app sends the same tools with every request)."""
-        try:
-            self._engine.prepare(SamplingSpec(max_tokens=1, constraint=Constraint("json", schema)))
-        except InvalidRequest:
-            return False
-        return True
+    def _grammar_check(self, constraint: Constraint) -> None:
+        """The engine's grammar backend's check of ``constraint``, remembered once passed (an
+        app sends the same schemas with every request): InvalidRequest if it refuses it, or
+        would not enforce all of it."""
+        self._engine.prepare(SamplingSpec(max_tokens=1, constraint=constraint))
 
     async def check_schemas(self, check: Callable[[], T], carries_schemas: bool = True) -> T:
         """``check()``, a request's checks of its JSON schemas (tools' ``parameters``, a
@@ -692,17 +689,17 @@ def _chat_shape(
     request: ChatCompletionRequest,
     route: Route,
     given: Constraint | None,
-    holds: Callable[[dict[str, Any]], bool],
+    grammar: Callable[[Constraint], None],
 ) -> tuple[ToolPlan, tuple[Constraint | None, str]]:
     """How the answer is shaped: the tools' plan, and the constraint with the field it came
     from (``given``: ``/v1/responses``' ``text.format``). Checks every schema of the request;
-    ``holds``: whether the grammar backend enforces a JSON schema whole."""
+    ``grammar``: the grammar backend's check of a constraint (InvalidRequest if refused)."""
     plan = plan_tools(request)
     if plan.constraint is not None:  # calls forced: the grammar of the calls themselves
-        _check_forced_calls(plan, request, route, given, _TEXT_FORMAT)
+        _check_forced_calls(plan, request, route, given, grammar)
         return plan, (plan.constraint, "tools")
     shape, param = _constraint(request, route, given, _TEXT_FORMAT)
-    plan, constraint = _or_calls(plan, route, shape, param, holds)
+    plan, constraint = _or_calls(plan, route, shape, param, grammar)
     return plan, (constraint, param)
 
 
@@ -736,7 +733,7 @@ def _or_calls(
     route: Route,
     shape: Constraint | None,
     param: str,
-    holds: Callable[[dict[str, Any]], bool],
+    grammar: Callable[[Constraint], None],
 ) -> tuple[ToolPlan, Constraint | None]:
     """Under ``tool_choice: auto`` the model may call a tool or answer; a structured output
     shapes the answer, so the grammar takes either (as OpenAI; openai-agents sends an
@@ -756,26 +753,46 @@ def _or_calls(
             param=param or "structured_outputs",
         )
     strict = frozenset(fn.name for fn in plan.tools if fn.strict)
-    decoded = frozenset(fn.name for fn in plan.tools if fn.name in strict and holds(arguments_schema(fn)))
+    decoded = frozenset(fn.name for fn in plan.tools if fn.strict and _holds(grammar, arguments_schema(fn)))
     plan = replace(plan, unchecked=strict - decoded)
     return plan, Constraint("json", answer_or_calls_schema(plan.tools, plan.parallel, shape.value, decoded))
 
 
+def _holds(grammar: Callable[[Constraint], None], schema: dict[str, Any]) -> bool:
+    try:
+        grammar(Constraint("json", schema))
+    except InvalidRequest:
+        return False
+    return True
+
+
 def _check_forced_calls(
-    plan: ToolPlan, request: SamplingFields, route: Route, given: Constraint | None, given_param: str
+    plan: ToolPlan,
+    request: SamplingFields,
+    route: Route,
+    given: Constraint | None,
+    grammar: Callable[[Constraint], None],
 ) -> None:
     """Forced calls are generated under the tools' grammar. The answer is then a call, not
-    text, so a structured output the request asks for (checked all the same) shapes nothing,
-    as with OpenAI, which takes both (instructor's RESPONSES_TOOLS sends both). A route that
-    enforces its format promises every answer follows it: a forced call there is a 400."""
+    text, so a structured output the request asks for (checked all the same, by the grammar
+    backend too) shapes nothing, as with OpenAI, which takes both (instructor's
+    RESPONSES_TOOLS sends both). A route that enforces its format promises every answer
+    follows it: a forced call there is a 400."""
     choice = "'required'" if plan.mode == "required" else f"naming the function '{plan.named}'"
-    _asked(request, given, given_param)
+    asked, param = _asked(request, given, _TEXT_FORMAT)
     if route.enforce and route.response_format is not None:
         raise InvalidRequest(
             f"route '{route.name}' enforces its own response format ({describe(route.response_format)}), "
             f"which tool_choice {choice} would replace; use tool_choice 'auto' or 'none'",
             param="tool_choice",
         )
+    if asked is not None:
+        try:
+            grammar(asked)
+        except InvalidRequest as exc:
+            if exc.param == "response_format":  # the engine's name for any constraint's field
+                exc.param = _SCHEMA_PARAMS.get(param, param)
+            raise
 
 
 def _pick(*values: float | None) -> float:

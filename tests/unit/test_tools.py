@@ -1125,6 +1125,31 @@ def test_stop_sequences_do_not_cut_a_forced_call(choice: Any) -> None:
     assert bad.value.body["param"] == "stop"  # type: ignore[index]
 
 
+def test_a_structured_output_beside_a_forced_call_is_checked_by_the_grammar_backend() -> None:
+    """Beside a forced call a structured output shapes nothing but is checked: a regex the
+    backend refuses (``(``) was a 200 under required, a 400 under tool_choice none."""
+    from gateway.errors import InvalidRequest
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    class Refuses(ReadyEngine):
+        def prepare(self, sampling: Any) -> Any:
+            if sampling.constraint is not None and sampling.constraint.value == "(":
+                raise InvalidRequest("invalid regex", param="response_format")
+            return super().prepare(sampling)
+
+    client = sdk(make_app(Refuses(words=["{}"], max_model_len=2000)))
+    for choice in ("required", "none", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(
+                model="base-model",
+                messages=USER,
+                tools=[WEATHER],  # type: ignore[list-item]
+                tool_choice=choice,  # type: ignore[arg-type]
+                extra_body={"structured_outputs": {"regex": "("}},
+            )
+        assert bad.value.body["param"] == "structured_outputs", choice  # type: ignore[index]
+
+
 def _engine_constraint(engine: Any) -> Any:
     return engine.calls[-1][1].constraint
 
