@@ -740,8 +740,8 @@ def _or_calls(
     agent's ``output_type`` and its tools together). A route that enforces its format, or
     reads no calls (``tool_parser: none``), keeps the format alone. A strict function's
     arguments are decoded against its schema where the grammar backend holds it whole;
-    where not (a keyword it would ignore, a ``format`` it lacks), its calls are calls
-    whatever their arguments, as text here must be the answer."""
+    where not (a keyword it would ignore, a ``format`` it lacks) they stay free. Either way
+    the grammar decides what is a call (``ToolPlan.formatted``): text here must be the answer."""
     if plan.mode != "auto" or not plan.tools or shape is None or route.tool_parser != "json":
         return plan, shape
     if (route.enforce and route.response_format is not None) or shape.kind == "json_object":
@@ -752,9 +752,8 @@ def _or_calls(
             "use a JSON schema, or tool_choice 'none'",
             param=param or "structured_outputs",
         )
-    strict = frozenset(fn.name for fn in plan.tools if fn.strict)
     decoded = frozenset(fn.name for fn in plan.tools if fn.strict and _holds(grammar, arguments_schema(fn)))
-    plan = replace(plan, unchecked=strict - decoded)
+    plan = replace(plan, formatted=True)
     return plan, Constraint("json", answer_or_calls_schema(plan.tools, plan.parallel, shape.value, decoded))
 
 

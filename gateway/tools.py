@@ -120,9 +120,9 @@ class ToolPlan:
     named: str | None = None  # the function forced by a named tool_choice
     constraint: Constraint | None = None
     parallel: bool = True  # False: one call at most
-    # Strict functions whose calls are calls whatever their arguments: under ``auto`` with a
-    # format, those whose schema the grammar backend cannot hold (``answer_or_calls_schema``).
-    unchecked: frozenset[str] = frozenset()
+    # ``auto`` with a format (``answer_or_calls_schema``): the answer is one JSON value, read
+    # as calls only in the grammar's call shape; the grammar, not a validator, decides them.
+    formatted: bool = False
     # Each offered function's name, with a validator of its arguments where it is ``strict``:
     # an ``auto`` answer's call to it is a call only if its arguments validate (OpenAI's
     # promise for strict functions; the grammar leaves ``auto`` free). Made once: a stream
@@ -130,7 +130,7 @@ class ToolPlan:
     names: dict[str, jsonschema.protocols.Validator | None] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        names = {t.name: None if t.name in self.unchecked else _strict_validator(t) for t in self.tools}
+        names = {t.name: None if self.formatted else _strict_validator(t) for t in self.tools}
         object.__setattr__(self, "names", names)
 
     @property
@@ -361,14 +361,12 @@ def answer_or_calls_schema(
     tools: tuple[FunctionDef, ...], parallel: bool, answer: dict[str, Any], decoded: Collection[str] = ()
 ) -> dict[str, Any]:
     """Under ``tool_choice: auto`` with a JSON-schema response format: the answer in that
-    format, or calls as the ``json`` parser reads them (one call object, or a list of them).
-    OpenAI lets the model do either; the format alone would leave no room for a call.
-    The functions named in ``decoded`` (the strict ones whose schema the grammar backend
-    holds) have their arguments decoded against their parameters: the parser takes a call
-    to a strict function only if they validate, and text here must be the answer, so free
-    arguments gave neither a call nor the format. The others' arguments are any JSON object,
-    as under ``auto`` without a format (read, not decoded, so their schemas cannot fail
-    the format); a strict one among them is ``ToolPlan.unchecked``."""
+    format, or calls (one call object, or a list of them), as OpenAI lets the model do
+    either; the format alone would leave no room for a call. The functions named in
+    ``decoded`` (the strict ones whose schema the grammar backend holds) have their
+    arguments decoded against their parameters; the others' are any JSON object, as under
+    ``auto`` without a format (read, not decoded, so their schemas cannot fail the format).
+    What the grammar wrote in the call shape is a call (``ToolPlan.formatted``)."""
     defs = _lifted(_ANSWER, answer)
     loose: list[str] = []
     held: list[dict[str, Any]] = []
@@ -408,12 +406,26 @@ def _lifted(name: str, params: dict[str, Any]) -> dict[str, Any]:
     ``definitions`` under ``name.defs.<key>`` / ``name.definitions.<key>`` (a tool name has no
     dot, so no two tools' entries meet), every root-relative ``$ref`` rewritten to match."""
     root = {k: v for k, v in params.items() if k not in _DEF_MAPS and k not in ("$id", "$schema")}
-    out = {name: _rebased(root, name)}
+    out = {name: _open(_rebased(root, name))}
     for where, short in _DEF_MAPS.items():
         found = params.get(where)
         for key, sub in (found if isinstance(found, dict) else {}).items():
-            out[f"{name}.{short}.{key}"] = _rebased(sub, name)
+            out[f"{name}.{short}.{key}"] = _open(_rebased(sub, name))
     return out
+
+
+_SHAPES_AN_OBJECT = frozenset(
+    {"properties", "patternProperties", "additionalProperties", "$ref", "anyOf", "oneOf", "allOf"}
+)
+
+
+def _open(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: true`` where it is an object that says nothing
+    of its properties: what JSON Schema means by it, and what xgrammar's strict mode reads it
+    as only inline (reached through a ``$ref``, ``{"type": "object"}`` admitted ``{}`` alone)."""
+    if isinstance(schema, dict) and schema.get("type") == "object" and not _SHAPES_AN_OBJECT & schema.keys():
+        return {**schema, "additionalProperties": True}
+    return schema
 
 
 def _rebased(schema: Any, name: str) -> Any:
@@ -561,6 +573,20 @@ def _calls_of(text: str, names: Names) -> list[ParsedCall]:
     except (ValueError, RecursionError):  # an answer nested absurdly deep is no call
         return []
     return _calls_in(value, names)
+
+
+def _formatted_calls(text: str, names: Names) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of an answer made under ``answer_or_calls_schema``: one JSON value,
+    calls only where each is exactly ``{"name", "arguments": {...}}`` (the grammar's call
+    shape: an answer in the format that holds a tool's name is the answer), else content."""
+    try:
+        value = _STRICT.decode(text)
+    except (ValueError, RecursionError):  # cut short (max_tokens): the answer as far as it got
+        return text, []
+    items = value if isinstance(value, list) else [value]
+    shaped = all(isinstance(i, dict) and i.keys() == {"name", "arguments"} for i in items)
+    calls = _calls_in(value, names) if items and shaped else []
+    return (None, calls) if calls else (text, [])
 
 
 def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
@@ -712,7 +738,8 @@ def calls_of_answer(plan: ToolPlan, text: str, parser: str) -> tuple[str | None,
             calls = [ParsedCall(plan.first_name, "")]
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto" and parser == "json":
-        content, calls = parse_calls(text, plan.names)
+        read = _formatted_calls if plan.formatted else parse_calls
+        content, calls = read(text, plan.names)
         return content, calls if plan.parallel else calls[:1]
     return text, []
 

@@ -1150,6 +1150,62 @@ def test_a_structured_output_beside_a_forced_call_is_checked_by_the_grammar_back
         assert bad.value.body["param"] == "structured_outputs", choice  # type: ignore[index]
 
 
+def _grammar_accepts(schema: dict[str, Any], text: str) -> bool:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return bool(_is_grammar_accept_string(grammar, text))
+
+
+FORMAT = {"type": "json_schema", "json_schema": {"name": "City", "schema": CITY, "strict": True}}
+
+
+def test_a_format_answer_that_holds_a_tool_name_stays_the_answer() -> None:
+    """CITY admits {"name": "add"}, which only the answer branch of the grammar takes (a
+    call is exactly name and arguments): it was read as a call to add({}), the answer lost."""
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    text = '{"name": "add"}'
+    engine = ReadyEngine(words=[text], max_model_len=2000)
+    client = sdk(make_app(engine))
+    r = client.chat.completions.create(model="base-model", messages=USER, tools=[ADD], response_format=FORMAT)  # type: ignore[list-item,arg-type]
+    assert _grammar_accepts(_engine_constraint(engine).value, text)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == text
+
+
+def test_a_call_the_grammar_wrote_beside_a_format_is_a_call() -> None:
+    """xgrammar admits a key twice among additionalProperties; Python's json keeps the last,
+    so the strict validator's minProperties failed and the call came back as content that
+    was not the format either. Beside a format the grammar decides what is a call."""
+    params = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}
+    tally = {"type": "function", "function": {"name": "tally", "strict": True, "parameters": params}}
+    text = '{"name": "tally", "arguments": {"x": 3, "x": 4}}'
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    engine = ReadyEngine(words=[text], max_model_len=2000)
+    client = sdk(make_app(engine))
+    r = client.chat.completions.create(
+        model="base-model", messages=USER, tools=[tally], response_format=FORMAT
+    )  # type: ignore[list-item,arg-type]
+    schema = _engine_constraint(engine).value
+    assert "tally" in schema["$defs"] and _grammar_accepts(schema, text)
+    assert [c.function.name for c in r.choices[0].message.tool_calls or []] == ["tally"]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("params", [{}, {"type": "object"}])
+def test_a_strict_function_of_any_object_takes_arguments_beside_a_format(params: dict[str, Any]) -> None:
+    """Reached through a $ref, {"type": "object"} is {} alone to xgrammar's strict mode
+    (vLLM's): a strict function with free parameters could be called with no argument."""
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    note = {"type": "function", "function": {"name": "note", "strict": True, "parameters": params}}
+    engine = ReadyEngine(words=["x"], max_model_len=2000)
+    client = sdk(make_app(engine))
+    client.chat.completions.create(model="base-model", messages=USER, tools=[note], response_format=FORMAT)  # type: ignore[list-item,arg-type]
+    assert _grammar_accepts(_engine_constraint(engine).value, '{"name": "note", "arguments": {"text": "hi"}}')
+
+
 def _engine_constraint(engine: Any) -> Any:
     return engine.calls[-1][1].constraint
 
