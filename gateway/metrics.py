@@ -220,6 +220,8 @@ class GatewayMetrics:
 
     def _drop(self, route: str) -> None:
         del self._retired[route]
+        if route == UNKNOWN:  # a route named so shares the label of requests no route took
+            return
         by_route: list[Counter | Histogram] = [self.prompt_tokens, self.completion_tokens, self.adapter_loads]
         by_route += [self.ttft, self.itl, self.e2e, self.adapter_load_seconds, self.adapter_wait]
         for metric in (*by_route, self.adapter_wait_timeouts):

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
-from gateway.metrics import RETIRED_KEPT, GatewayMetrics, router_view
+from gateway.metrics import RETIRED_KEPT, GatewayMetrics, RequestRecord, router_view
 from tests.helpers import eventually_async
 from tests.unit.conftest import ADMIN, Serve
 from tests.unit.fakes import FakeEngine
@@ -168,3 +168,16 @@ def test_a_route_name_dropped_from_the_labels_leaves_no_series_behind() -> None:
     assert metrics.route_label("old") == "unknown" and metrics.route_label("kept") == "kept"
     routes = {s.labels["route"] for m in metrics.registry.collect() for s in m.samples if "route" in s.labels}
     assert routes == {"kept"}
+
+
+def test_a_retired_route_named_unknown_leaves_the_unknown_series() -> None:
+    """A route may be named "unknown", the label of requests no route took: dropping its
+    series when it retired wiped the live 404 counts."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    metrics.set_routes(frozenset({"unknown", "base"}))
+    metrics.set_routes(frozenset({"base"}))
+    metrics.observe(RequestRecord("r1", "POST", "/v1/chat/completions", route="nope", status=404))
+    for i in range(RETIRED_KEPT + 1):
+        metrics.set_routes(frozenset({"base", f"r{i}"}))
+    labels = {"route": "unknown", "status": "404", "stream": "false"}
+    assert metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
