@@ -22,7 +22,7 @@ from gateway.errors import InvalidRequest
 from gateway.protocol import Message, _Request, null_is_default
 from gateway.responses import read_json
 from gateway.state import Gateway
-from gateway.tools import ToolDef
+from gateway.tools import ToolChoice, ToolDef
 
 
 class TokenizeRequest(_Request):
@@ -35,6 +35,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     return_token_strs: bool = False
     tools: list[ToolDef] | None = Field(None, max_length=128)  # rendered as chat renders them
+    tool_choice: ToolChoice | None = None  # "none": chat renders no tools
 
     _nulls = field_validator(  # null: the default, as vLLM takes it
         "add_generation_prompt", "continue_final_message", "return_token_strs", mode="before"
@@ -81,7 +82,7 @@ async def tokenize(request: Request) -> Response:
                 bool(body.add_special_tokens),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=body.tools,
+                tools=None if body.tool_choice == "none" else body.tools,
             )
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
