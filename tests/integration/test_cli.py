@@ -89,14 +89,19 @@ def test_adapters_validate_passes_and_fails(tmp_path: Path) -> None:
     assert "shout" in done.stdout
 
 
-def test_adapters_list_reports_a_warning_once(tmp_path: Path) -> None:
+def shout_for_another_model(tmp_path: Path) -> tuple[str, ...]:
+    """The flags of a catalog whose one adapter names another base model (a warning)."""
     root = tmp_path / "adapters"
     shutil.copytree(ROOT / "adapters" / "shout", root / "shout")
     config = root / "shout" / "adapter_config.json"
     config.write_text(config.read_text().replace('"gemma-3-270m"', '"another-model"'))
     catalog = tmp_path / "adapters.yaml"
     catalog.write_text("routes:\n  - name: shout\n    adapter: shout\n")
-    done = gateway("adapters", "list", "--catalog", str(catalog), "--adapters-root", str(root))
+    return ("--catalog", str(catalog), "--adapters-root", str(root))
+
+
+def test_adapters_list_reports_a_warning_once(tmp_path: Path) -> None:
+    done = gateway("adapters", "list", *shout_for_another_model(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "WARNING shout:" in done.stderr and "another-model" in done.stderr
     assert done.stderr.count("another-model") == 1, done.stderr
@@ -105,14 +110,9 @@ def test_adapters_list_reports_a_warning_once(tmp_path: Path) -> None:
 def test_adapters_validate_says_when_it_had_no_model_to_check_shapes_against(tmp_path: Path) -> None:
     """Without the model's weights here (a GPU profile's model on another machine), validate
     said "catalog OK" and that each adapter's weights fit the model: none had been compared."""
-    root = tmp_path / "adapters"
-    shutil.copytree(ROOT / "adapters" / "shout", root / "shout")
-    config = root / "shout" / "adapter_config.json"
-    config.write_text(config.read_text().replace('"gemma-3-270m"', '"another-model"'))
-    catalog = tmp_path / "adapters.yaml"
-    catalog.write_text("routes:\n  - name: shout\n    adapter: shout\n")
-    args = ("--catalog", str(catalog), "--adapters-root", str(root), "--model", str(tmp_path / "absent"))
-    done = gateway("adapters", "validate", *args)
+    done = gateway(
+        "adapters", "validate", *shout_for_another_model(tmp_path), "--model", str(tmp_path / "absent")
+    )
     assert done.returncode == 0, done.stderr
     assert f"no safetensors weights of the model at {tmp_path / 'absent'}" in done.stderr
     assert "weights fit the model" not in done.stderr and "no model here" in done.stderr
