@@ -251,8 +251,7 @@ class AdapterSlots:
             except GatewayError:
                 self._discard_copy(Path(lora.path))  # refused: no version will remove it
                 raise
-            self.metrics.adapter_load_seconds.labels(route.name).observe(time.perf_counter() - t0)
-            self.metrics.adapter_loads.labels(route.name).inc()
+            self.metrics.adapter_loaded(route.name, time.perf_counter() - t0)
             self.registered.add(lora.lora_id)
             self.paths[lora.lora_id] = Path(lora.path)
             await self._after_load(lora.lora_id)

@@ -201,6 +201,7 @@ class GatewayMetrics:
         )
         self.engine_up = Gauge("gateway_engine_up", "1 while the engine is ready", registry=registry)
         self._current: frozenset[str] = frozenset()
+        self._loaded: set[str] = set()  # routes an adapter was loaded for since the last set_routes
         self._retired: dict[str, None] = {}  # names reloads removed, oldest first
         self._routes: frozenset[str] = frozenset()
 
@@ -209,8 +210,9 @@ class GatewayMetrics:
         next ``RETIRED_KEPT`` removals, so a request admitted under it is counted under the
         route that served it; older ones lose their series, so weeks of renames do not grow
         ``/metrics`` (the names are the operator's, never a client's)."""
-        for name in self._current - names:
+        for name in (self._current | self._loaded) - names:  # a loaded entry may have been rejected
             self._retired[name] = None
+        self._loaded = set()
         for name in names:
             self._retired.pop(name, None)
         while len(self._retired) > RETIRED_KEPT:
@@ -231,6 +233,13 @@ class GatewayMetrics:
         for status in (*map(str, _STATUSES), "other"):
             for stream in ("true", "false"):
                 self.requests.remove(route, status, stream)
+
+    def adapter_loaded(self, route: str, seconds: float) -> None:
+        """An adapter loaded for ``route``, before its table is live (a reload's registration):
+        labelled by its name, and retired with the others if that table never names it."""
+        self.adapter_load_seconds.labels(route).observe(seconds)
+        self.adapter_loads.labels(route).inc()
+        self._loaded.add(route)
 
     def route_label(self, name: str | None) -> str:
         return name if name is not None and name in self._routes else UNKNOWN

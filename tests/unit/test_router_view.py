@@ -181,3 +181,19 @@ def test_a_retired_route_named_unknown_leaves_the_unknown_series() -> None:
         metrics.set_routes(frozenset({"base", f"r{i}"}))
     labels = {"route": "unknown", "status": "404", "stream": "false"}
     assert metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
+
+
+def test_the_series_of_an_adapter_loaded_for_a_route_never_served_go_in_time() -> None:
+    """An entry whose adapter loaded and that the reload then rejected never became a route:
+    its load series stayed for good (the retired names were only the served ones)."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    metrics.set_routes(frozenset({"base"}))
+    metrics.adapter_loaded("rejected", 0.1)
+    metrics.set_routes(frozenset({"base"}))  # the reload's table without it
+    for i in range(RETIRED_KEPT + 1):  # "rejected", then 64 more names removed
+        assert metrics.registry.get_sample_value("gateway_adapter_loads_total", {"route": "rejected"}) == 1
+        metrics.set_routes(frozenset({"base", f"r{i}"}))
+    assert metrics.registry.get_sample_value("gateway_adapter_loads_total", {"route": "rejected"}) is None
+    metrics.adapter_loaded("new", 0.1)
+    metrics.set_routes(frozenset({"base", "new"}))  # loaded for a route the table serves: kept
+    assert metrics.route_label("new") == "new" and "new" not in metrics._retired
