@@ -224,10 +224,15 @@ class GatewayMetrics:
         del self._retired[route]
         if route == UNKNOWN:  # a route named so shares the label of requests no route took
             return
-        by_route: list[Counter | Histogram] = [self.prompt_tokens, self.completion_tokens, self.adapter_loads]
-        by_route += [self.ttft, self.itl, self.e2e, self.adapter_load_seconds, self.adapter_wait]
-        for metric in (*by_route, self.adapter_wait_timeouts):
-            metric.remove(route)
+        for counter in (
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.adapter_loads,
+            self.adapter_wait_timeouts,
+        ):
+            counter.remove(route)
+        for histogram in (self.ttft, self.itl, self.e2e, self.adapter_load_seconds, self.adapter_wait):
+            histogram.remove(route)
         for state in ("cold", "warm"):
             self.adapter_ttft.remove(route, state)
         for status in (*map(str, _STATUSES), "other"):

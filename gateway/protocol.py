@@ -306,6 +306,11 @@ class Message(BaseModel):
         return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
 
 
+def no_empty_tools(tools: list[ToolDef] | None) -> None:
+    if tools == []:  # as OpenAI and vLLM
+        raise InvalidRequest("'tools' must not be an empty array; leave it out instead", param="tools")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -330,8 +335,7 @@ class ChatCompletionRequest(SamplingFields):
             )
         if extra.get("echo") not in (None, False):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
-        if self.tools == []:  # as OpenAI and vLLM
-            raise InvalidRequest("'tools' must not be an empty array; leave it out instead", param="tools")
+        no_empty_tools(self.tools)
         return self
 
     @field_validator("messages")

@@ -395,7 +395,7 @@ class ChatService:
             return await self._tokenize(lambda: text, add_special_tokens, size=len(text), background=True)
         check_tool_messages(text, answered_at_end=False)
         messages = _with_system(template_messages(text), route)
-        template, offered = route.chat_template, offered_tools(tools)
+        template, offered = route.chat_template, offered_tools([t.function for t in tools or ()])
         if offered or uses_tools(NO_TOOLS, text):  # tools or tool turns: the template chat would use
             template = template or tool_template()
         return await self._tokenize(
@@ -641,9 +641,7 @@ class ChatService:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(_CONSTRAINT_CHECKS, self._engine.prepare, sampling)
         except InvalidRequest as exc:
-            if exc.param == "response_format":
-                exc.param = _SCHEMA_PARAMS.get(constraint_param, constraint_param)
-                exc.message = in_answer_terms(exc.message)
+            _name_constraint_field(exc, constraint_param)
             raise
 
 
@@ -789,9 +787,16 @@ def _check_forced_calls(
         try:
             grammar(asked)
         except InvalidRequest as exc:
-            if exc.param == "response_format":  # the engine's name for any constraint's field
-                exc.param = _SCHEMA_PARAMS.get(param, param)
+            _name_constraint_field(exc, param)
             raise
+
+
+def _name_constraint_field(exc: InvalidRequest, param: str) -> None:
+    """The engine names any refused constraint ``response_format``: name the field it came
+    from, at the place in the schema the client wrote."""
+    if exc.param == "response_format":
+        exc.param = _SCHEMA_PARAMS.get(param, param)
+        exc.message = in_answer_terms(exc.message)
 
 
 def _pick(*values: float | None) -> float:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import Message, _Request, null_is_default
+from gateway.protocol import Message, _Request, no_empty_tools, null_is_default
 from gateway.responses import read_json
 from gateway.state import Gateway
 from gateway.tools import ToolChoice, ToolDef
@@ -55,8 +55,7 @@ class TokenizeRequest(_Request):
                 raise InvalidRequest(f"'{name}' is not supported: the route's template applies", param=name)
         if self.tools is not None and self.messages is None:
             raise InvalidRequest("'tools' needs 'messages': a prompt is tokenized as it is", param="tools")
-        if self.tools == []:  # as chat
-            raise InvalidRequest("'tools' must not be an empty array; leave it out instead", param="tools")
+        no_empty_tools(self.tools)
         return self
 
 

@@ -149,11 +149,10 @@ class ToolPlan:
 NO_TOOLS = ToolPlan("none")
 
 
-def offered_tools(tools: Sequence[FunctionDef | ToolDef] | None) -> list[dict[str, Any]] | None:
+def offered_tools(functions: Sequence[FunctionDef]) -> list[dict[str, Any]] | None:
     """The chat template's ``tools`` argument for these functions (None: none offered)."""
-    if not tools:
+    if not functions:
         return None
-    functions = (t.function if isinstance(t, ToolDef) else t for t in tools)
     return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
 
 
@@ -333,13 +332,18 @@ def calls_schema(tools: tuple[FunctionDef, ...], parallel: bool | None) -> dict[
     defs: dict[str, Any] = {}
     branches = []
     for fn in tools:
-        defs.update(_lifted(fn.name, arguments_schema(fn)))
-        branches.append(_call([fn.name], {"$ref": f"#/$defs/{fn.name}"}))
+        branches.append(_decoded_call(fn, defs))
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if parallel is False:
         schema["maxItems"] = 1
     schema["$defs"] = defs
     return schema
+
+
+def _decoded_call(fn: FunctionDef, defs: dict[str, Any]) -> dict[str, Any]:
+    """A call to ``fn`` with its arguments decoded against its schema, lifted into ``defs``."""
+    defs.update(_lifted(fn.name, arguments_schema(fn)))
+    return _call([fn.name], {"$ref": f"#/$defs/{fn.name}"})
 
 
 def _call(names: list[str], arguments: dict[str, Any]) -> dict[str, Any]:
@@ -372,8 +376,7 @@ def answer_or_calls_schema(
     held: list[dict[str, Any]] = []
     for fn in tools:
         if fn.name in decoded:
-            defs.update(_lifted(fn.name, arguments_schema(fn)))
-            held.append(_call([fn.name], {"$ref": f"#/$defs/{fn.name}"}))
+            held.append(_decoded_call(fn, defs))
         else:
             loose.append(fn.name)
     branches = ([_call(loose, {"type": "object"})] if loose else []) + held
