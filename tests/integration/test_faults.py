@@ -44,10 +44,17 @@ def test_stream_disconnect_aborts_in_the_engine(gateway: LiveGateway, n: int) ->
             "POST", "/v1/chat/completions", json=long_story("base", stream=True, n=n, temperature=0.8)
         ) as r,
     ):
-        content = (line for line in r.iter_lines() if '"delta":{"content"' in line)
-        for _ in range(2 * n):
-            next(content)
-        assert unfinished(gateway) >= 1
+        started = time.monotonic()
+        read: list[str] = []
+        lines = r.iter_lines()
+        while sum('"delta":{"content"' in line for line in read) < 2 * n:
+            read.append(next(lines))
+        # 0 here means the engine was done (finished or aborted) before the client left:
+        # the stream's lines and the gateway's log tell which
+        assert unfinished(gateway) >= 1, (
+            f"after {time.monotonic() - started:.1f} s, read: {[line[:200] for line in read]}\n"
+            f"{gateway.log_tail()}"
+        )
     # the connection is closed here, long before 1500 tokens
     eventually(lambda: unfinished(gateway) == 0, 5, "engine request aborted after disconnect")
     still_serves(gateway)
