@@ -6,10 +6,12 @@ the request is queued, after a stream's 200 has gone out. ``RequestChecks`` runs
 checks first, through vLLM's own methods on the objects ``gateway.engine`` hands it (no
 vllm import here), so what vLLM would refuse is a 400 instead of an error event.
 
-A constraint the backend has accepted is remembered (bounded), so a schema that every
+The backend's verdict on a constraint is remembered (bounded), so a schema that every
 request of an app repeats is converted once: vLLM checks each request again when it is
-queued anyway, and the conversion is front-end CPU that delays every first token. The
-other checks are cheap and run for every request, constrained or not.
+queued anyway, and the conversion is front-end CPU that delays every first token. A
+refusal is remembered too, with its message: a strict tool whose schema the backend
+cannot hold (``format: uri``) is checked beside every formatted answer an agent asks for.
+The other checks are cheap and run for every request, constrained or not.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from gateway.structured import xgrammar_gap
 
 log = logging.getLogger(__name__)
 
-_ACCEPTED_MAX = 256
-_ACCEPTED_MAX_CHARS = 64 * 1024
+_REMEMBERED_MAX = 256
+_REMEMBERED_MAX_CHARS = 64 * 1024
 
 
 class RequestChecks:
     def __init__(self) -> None:
-        self._accepted: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        # a constraint's key: None (accepted) or why the backend refused it
+        self._verdicts: OrderedDict[tuple[Any, ...], str | None] = OrderedDict()
         self._lock = threading.Lock()  # ``structured`` runs in the service's check threads
 
     def verify(self, engine: Any, params: Any, tokenizer: Any) -> None:
@@ -62,25 +65,43 @@ class RequestChecks:
         from). Whatever it raises here is about the constraint."""
         key = _constraint_key(params.structured_outputs)
         with self._lock:
-            if key in self._accepted:
-                self._accepted.move_to_end(key)
-                return
-        gap = _unenforced(engine, params.structured_outputs)
-        if gap is not None:
-            raise InvalidRequest(f"the JSON schema {gap}", param="response_format")
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                refused = self._verdicts[key]
+                if refused is None:
+                    return
+                raise InvalidRequest(refused, param="response_format")
         try:
-            _verify_structured(engine, params, tokenizer)
-        except Exception as exc:
-            message = _one_line(exc)
-            if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
-                message = f"{message} ({_one_line(exc.__cause__)})"
-            raise InvalidRequest(message[:500], param="response_format") from None
-        log.debug("structured output backend: %s", params.structured_outputs._backend)
-        if sum(len(str(part)) for part in key) <= _ACCEPTED_MAX_CHARS:
+            refused = _refusal(engine, params, tokenizer)
+        except MemoryError:  # about this moment, not the constraint: not remembered
+            raise InvalidRequest("the grammar backend ran out of memory", param="response_format") from None
+        if refused is None:
+            log.debug("structured output backend: %s", params.structured_outputs._backend)
+        if sum(len(str(part)) for part in key) <= _REMEMBERED_MAX_CHARS:
             with self._lock:
-                self._accepted[key] = None
-                if len(self._accepted) > _ACCEPTED_MAX:
-                    self._accepted.popitem(last=False)
+                self._verdicts[key] = refused
+                if len(self._verdicts) > _REMEMBERED_MAX:
+                    self._verdicts.popitem(last=False)
+        if refused is not None:
+            raise InvalidRequest(refused, param="response_format")
+
+
+def _refusal(engine: Any, params: Any, tokenizer: Any) -> str | None:
+    """Why the grammar backend refuses the constraint, or would take it without enforcing
+    all of it; None if it takes it. Whatever the backend raises is about the constraint."""
+    gap = _unenforced(engine, params.structured_outputs)
+    if gap is not None:
+        return f"the JSON schema {gap}"
+    try:
+        _verify_structured(engine, params, tokenizer)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        message = _one_line(exc)
+        if exc.__cause__ is not None and str(exc.__cause__).strip() not in message:
+            message = f"{message} ({_one_line(exc.__cause__)})"
+        return message[:500]
+    return None
 
 
 def _unenforced(engine: Any, so: Any) -> str | None:

@@ -93,12 +93,37 @@ def test_an_accepted_constraint_is_checked_once(manager: tuple[EngineManager, _C
     assert checks.calls == 2
 
 
-def test_a_refused_constraint_is_refused_every_time(manager: tuple[EngineManager, _Checks]) -> None:
+def test_a_refused_constraint_is_refused_every_time_and_checked_once(
+    manager: tuple[EngineManager, _Checks],
+) -> None:
+    # The Agents SDK sends a strict tool the backend cannot hold with every turn.
     engine, checks = manager
-    for _ in range(2):
-        with pytest.raises(InvalidRequest, match="cannot compile"):
+    for _ in range(3):
+        with pytest.raises(InvalidRequest, match="cannot compile") as refused:
             engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("regex", "a+")))
+        assert refused.value.param == "response_format"
+    assert checks.calls == 1
+    with pytest.raises(InvalidRequest):
+        engine.prepare(SamplingSpec(max_tokens=4, constraint=Constraint("regex", "b+")))
     assert checks.calls == 2
+
+
+def test_a_backend_out_of_memory_is_refused_but_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def short_of_memory(engine: object, params: Any, tokenizer: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError
+
+    monkeypatch.setattr("gateway.engine_checks._verify_structured", short_of_memory)
+    engine = _manager_on(_vllm_engine())
+    spec = SamplingSpec(max_tokens=4, constraint=Constraint("json", {"type": "object"}))
+    with pytest.raises(InvalidRequest, match="out of memory"):
+        engine.prepare(spec)
+    engine.prepare(spec)  # checked again, and taken
+    engine.prepare(spec)
+    assert len(calls) == 2
 
 
 def test_vllm_sampling_extensions_become_sampling_params() -> None:
