@@ -7,6 +7,7 @@ Per-chunk streaming bytes are built in ``sse``.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, Literal
 
@@ -38,6 +39,17 @@ class _Request(BaseModel):
     # ``tool_choice`` as fields, completions ``echo``, so only the other endpoints refuse
     # them here; chat refuses ``echo`` itself.)
     _unsupported: tuple[str, ...] = ("tools", "tool_choice", "best_of", "suffix")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_left_out(cls, data: Any) -> Any:
+        """Null for a field ``null_is_default`` takes is that field left out, in
+        ``model_fields_set`` too (``stream: null`` is not a ``stream: false`` given)."""
+        if isinstance(data, dict):
+            nulls = _null_fields(cls)
+            if any(data.get(name, 0) is None for name in nulls):
+                return {key: value for key, value in data.items() if value is not None or key not in nulls}
+        return data
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Request:
@@ -141,14 +153,17 @@ def null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> A
     return value
 
 
-def null_default_fields(model: type[BaseModel]) -> set[str]:
+def null_default_fields(model: type[BaseModel]) -> frozenset[str]:
     """The fields of ``model`` for which ``null_is_default`` takes null."""
-    return {
+    return frozenset(
         name
         for validator in model.__pydantic_decorators__.field_validators.values()
         if getattr(validator.func, "__func__", validator.func) is null_is_default
         for name in validator.info.fields
-    }
+    )
+
+
+_null_fields = functools.cache(null_default_fields)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -440,7 +455,9 @@ def _as_prompts(prompt: Any) -> list[PromptInput]:
 
 
 # What the house stream cannot carry (one choice, text only): refused unless unused.
-_HOUSE_CANNOT = ("messages", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+# Refused up front; ``n`` and ``logprobs`` go on to chat, which reads them (``logprobs: 1`` is
+# true there), and the route refuses what the house stream then cannot carry.
+_HOUSE_CANNOT = ("messages", "tools", "tool_choice", "parallel_tool_calls")
 
 
 class HouseChatRequest(_Request):
@@ -480,10 +497,20 @@ class HouseChatRequest(_Request):
             )
         return self
 
-    @property
-    def chat_fields(self) -> dict[str, Any]:
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request this asks: the question as the user's message, chat's other
+        fields as given (chat checks them: a 400 names the field)."""
         extra = self.model_extra or {}
-        return {name: value for name, value in extra.items() if name not in _HOUSE_CANNOT}
+        try:
+            return ChatCompletionRequest(
+                messages=[{"role": "user", "content": self.question}],
+                stream=True,  # the house format always streams (chat checks stream_options under it)
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                **{name: value for name, value in extra.items() if name not in _HOUSE_CANNOT},
+            )
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
 
 
 # -- validation errors -----------------------------------------------------------------

@@ -121,8 +121,9 @@ def _stream_format(request: Request, served: tuple[str, ...]) -> str:
     raise InvalidRequest(message, param="X-Stream-Format")
 
 
-def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
-    """The house stream carries one choice's text: a request for more is a 400, not dropped."""
+def _house_can_carry(body: ChatCompletionRequest, gen: Generation, endpoint: str | None = None) -> None:
+    """The house stream carries one choice's text: a request for more is a 400, not dropped.
+    ``endpoint``: ``POST /chat``, whose 400s point to /v1/chat/completions; else the header's."""
     refused = None
     if body.stream is False and "stream" in body.model_fields_set:  # as POST /chat refuses it
         refused = ("X-Stream-Format: house streams; use /v1/chat/completions for one JSON answer", "stream")
@@ -134,6 +135,12 @@ def _house_can_carry(body: ChatCompletionRequest, gen: Generation) -> None:
         refused = ("the house stream format carries no logprobs", "logprobs")
     elif body.include_usage:
         refused = ("the house stream format carries no usage chunk", "stream_options.include_usage")
+    if refused is not None and endpoint is not None:
+        reason = refused[0].split(";")[0]
+        refused = (
+            f"'{refused[1]}' is not supported by {endpoint} ({reason}); use /v1/chat/completions",
+            refused[1],
+        )
     if refused is not None:
         gen.close()
         raise InvalidRequest(refused[0], param=refused[1])
@@ -161,7 +168,9 @@ async def house_chat(request: Request) -> Response:
     gw = _gateway(request)
     _stream_format(request, ("house",))
     body = await read_json(request, HouseChatRequest, gw.settings.limits, any_type=True)
-    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(body, lease), True)
+    chat = body.chat_request()
+    gen = await _generate(request, body.model, body.task, lambda lease: gw.service.house(chat, lease), True)
+    _house_can_carry(chat, gen, "POST /chat")
     return _stream(request, gen, HouseEncoder(gen), lambda: body.question)
 
 

@@ -20,8 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
-
 from gateway.batch import Echo, echo_steps, merge_steps
 from gateway.catalog import Lease, Route
 from gateway.catalog_file import SamplingDefaults
@@ -30,11 +28,9 @@ from gateway.lora_scheduler import Caller, LoraScheduler, Ticket
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    HouseChatRequest,
     Message,
     PromptInput,
     SamplingFields,
-    invalid_request,
 )
 from gateway.read_ahead import ReadAhead
 from gateway.settings import LimitSettings
@@ -441,17 +437,9 @@ class ChatService:
         self._fits(prompt, "prompt")
         return await self._tokenize(lambda: prompt, add_special_tokens, size=len(prompt))
 
-    async def house(self, request: HouseChatRequest, lease: Lease) -> Generation:
-        try:
-            chat = ChatCompletionRequest(
-                messages=[{"role": "user", "content": request.question}],
-                stream=True,  # the house format always streams (chat checks stream_options under it)
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                **request.chat_fields,
-            )
-        except ValidationError as exc:
-            raise invalid_request(exc) from None
+    async def house(self, chat: ChatCompletionRequest, lease: Lease) -> Generation:
+        """``POST /chat``'s request (``HouseChatRequest.chat_request``): chat's, with its
+        errors about the messages put on the question."""
         try:
             return await self.chat(chat, lease)
         except InvalidRequest as exc:  # the chat path names its messages: here, the question

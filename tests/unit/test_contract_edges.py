@@ -221,6 +221,7 @@ async def test_house_chat_refuses_by_name(serve: Serve, name: str, value: Any, p
         ("tool_choice", "required"),
         ("n", 2),
         ("logprobs", True),
+        ("logprobs", 1),  # true, as chat reads it (it was taken, and dropped)
     ],
 )
 async def test_house_chat_points_chat_fields_to_chat_completions(serve: Serve, name: str, value: Any) -> None:
@@ -468,3 +469,40 @@ async def test_null_is_the_default(serve: Serve, path: str, name: str) -> None:
     r = await served.http.post(path, json=body_for(path, **{name: None}))
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize(
+    "fields", [{"logprobs": 0}, {"top_logprobs": 0}, {"logprobs": 0, "top_logprobs": 0}, {"n": 1.0}]
+)
+async def test_house_chat_takes_what_asks_for_nothing_as_chat_does(
+    serve: Serve, fields: dict[str, Any]
+) -> None:
+    """``logprobs: 0`` is false and ``n: 1.0`` one choice as chat reads them (they were 400s)."""
+    served = await serve()
+    header = await served.http.post(
+        "/v1/chat/completions",
+        headers={"X-Stream-Format": "house"},
+        json={"model": "base", "messages": [{"role": "user", "content": "Hi"}], **fields},
+    )
+    assert header.status_code == 200, header.text
+    r = await served.http.post("/chat", json={"question": "Hi", **fields})
+    assert r.status_code == 200, r.text
+    assert r.text.startswith("event: message"), r.text
+
+
+async def test_house_chat_refuses_top_logprobs_without_logprobs_as_chat_does(serve: Serve) -> None:
+    served = await serve()
+    r = await served.http.post("/chat", json={"question": "Hi", "top_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+async def test_house_header_takes_stream_null_as_left_out(serve: Serve) -> None:
+    """Null for ``stream`` is its default, as left out: a house stream, not ``stream: false``."""
+    served = await serve()
+    r = await served.http.post(
+        "/v1/chat/completions",
+        headers={"X-Stream-Format": "house"},
+        json={"model": "base", "messages": [{"role": "user", "content": "Hi"}], "stream": None},
+    )
+    assert r.status_code == 200, r.text
+    assert r.text.startswith("event: message"), r.text

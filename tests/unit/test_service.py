@@ -226,7 +226,8 @@ async def test_a_prompt_token_id_equal_to_the_vocabulary_size_is_400() -> None:
 
 async def test_house_request_becomes_a_user_turn() -> None:
     service, catalog, engine = setup()
-    await (await service.house(HouseChatRequest(question="Hi?"), catalog.acquire(None))).collect()
+    request = HouseChatRequest(question="Hi?").chat_request()
+    await (await service.house(request, catalog.acquire(None))).collect()
     assert "".join(map(chr, engine.calls[0][0])) == "user:Hi?\nmodel:"
 
 

@@ -48,7 +48,9 @@ async def test_the_request_constraint_reaches_the_engine() -> None:
     await (await service.chat(chat(response_format=fmt), catalog.acquire(None))).collect()
     body = {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}
     await (await service.complete(CompletionRequest.model_validate(body), catalog.acquire(None))).collect()
-    house = HouseChatRequest.model_validate({"question": "q", "response_format": {"type": "json_object"}})
+    house = HouseChatRequest.model_validate(
+        {"question": "q", "response_format": {"type": "json_object"}}
+    ).chat_request()
     await (await service.house(house, catalog.acquire(None))).collect()
     assert [c[1].constraint for c in engine.calls] == [
         Constraint("json", ANSWER),
