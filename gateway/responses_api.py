@@ -39,8 +39,8 @@ from pydantic import (
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest, null_is_default
-from gateway.structured import TEXT, check_schema
-from gateway.tools import UnansweredCall
+from gateway.structured import FORMAT_NAME, TEXT, check_schema
+from gateway.tools import UnansweredCall, UnknownCallAnswered
 from gateway.types import Constraint
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -293,6 +293,24 @@ def _text(content: Any, param: str, refusals: bool = False) -> str:
     return "\n".join(texts)  # as vLLM joins text parts
 
 
+def _strict(tool: dict[str, Any]) -> Any:
+    """A Responses function tool is strict unless it says ``strict: false`` (OpenAI: "if you
+    omit strict, ... Responses requests will normalize your schema into strict mode", chat's
+    tools stay non-strict). Its schema is taken as given, not rewritten."""
+    strict = tool.get("strict")
+    return True if strict is None else strict
+
+
+def tools_echo(body: ResponsesRequest) -> list[Any]:
+    """The request's tools as a response shows them: ``strict`` as they are read."""
+    return [
+        {**tool, "strict": _strict(tool)}
+        if isinstance(tool, dict) and tool.get("type") == "function"
+        else tool
+        for tool in body.tools or ()
+    ]
+
+
 def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
     """``tools`` and ``tool_choice`` in chat's shapes (only what the request sets)."""
     out: dict[str, Any] = {}
@@ -305,10 +323,13 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
                     f"tools of type '{str(kind)[:40]}' are not supported (function tools only)",
                     param=f"tools[{i}].type",
                 )
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            function["strict"] = _strict(tool)
             tools.append({"type": "function", "function": function})
         out["tools"] = tools
     choice = body.tool_choice
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise InvalidRequest(_TOOL_CHOICE, param="tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise InvalidRequest(_TOOL_CHOICE, param="tool_choice")
@@ -356,6 +377,10 @@ def rename_param(exc: InvalidRequest) -> InvalidRequest:
         return InvalidRequest(
             f"No tool output found for function call {exc.call_ids[0][:64]}.", param="input"
         )
+    if isinstance(exc, UnknownCallAnswered):
+        return InvalidRequest(
+            f"No tool call found for function call output with call_id {exc.call_id[:64]}.", param="input"
+        )
     exc.param = _PARAMS.get(exc.param or "", exc.param)
     return exc
 
@@ -373,6 +398,10 @@ def constraint(fmt: TextFormat) -> Constraint | None:
             raise InvalidRequest("text.format.schema is required for json_schema", param="text.format.schema")
         if not fmt.name:
             raise InvalidRequest("text.format.name is required for json_schema", param="text.format.name")
+        if not FORMAT_NAME.fullmatch(fmt.name):
+            raise InvalidRequest(
+                "text.format.name must be 1 to 64 letters, digits, '_' or '-'", param="text.format.name"
+            )
         # chat's check (its ``$schema``'s draft, its size bounds, cached), so that a schema is
         # valid or not alike on both endpoints
         return Constraint("json", check_schema(fmt.schema_, "text.format.schema"))

@@ -30,7 +30,7 @@ from contextlib import aclosing
 from typing import Any
 
 from gateway.errors import EngineFailed, GatewayError
-from gateway.responses_api import ResponsesRequest, format_echo
+from gateway.responses_api import ResponsesRequest, format_echo, tools_echo
 from gateway.service import Collected, Generation
 from gateway.sse import chat_logprobs
 from gateway.tools import call_id, calls_lead, calls_of_answer
@@ -176,7 +176,7 @@ class ResponseDraft:
             "temperature": sampling.temperature,
             "text": {"format": format_echo(body.text.format), "verbosity": "medium"},
             "tool_choice": body.tool_choice or "auto",
-            "tools": body.tools or [],
+            "tools": tools_echo(body),
             "top_logprobs": body.top_logprobs or 0,
             "top_p": sampling.top_p,
             "truncation": "disabled",

@@ -31,7 +31,7 @@ from referencing import Registry
 from gateway.errors import ConfigError, InvalidRequest
 from gateway.types import Constraint
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's, for a format's name (fullmatch)
 # structured_outputs keys, by what this gateway does with them.
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 STRUCTURED_UNSUPPORTED = (
@@ -102,7 +102,7 @@ def parse_response_format(value: Any, param: str = "response_format") -> Constra
                 f"unknown field in '{param}.json_schema': {', '.join(sorted(unknown))}", param=param
             )
         name = spec.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not FORMAT_NAME.fullmatch(name):
             raise InvalidRequest(
                 f"'{param}.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'", param=param
             )

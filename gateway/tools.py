@@ -229,6 +229,19 @@ class UnansweredCall(InvalidRequest):
         self.call_ids = call_ids  # in the order of the calls
 
 
+class UnknownCallAnswered(InvalidRequest):
+    """A ``tool`` message answering no open call; the Responses API says it in its own words
+    (``responses_api.rename_param``)."""
+
+    def __init__(self, index: int, call_id: str) -> None:
+        super().__init__(
+            f"messages[{index}]: a 'tool' message must answer a tool call of an earlier assistant "
+            f"message; no call has the id '{call_id[:64]}'",
+            param="messages",
+        )
+        self.call_id = call_id
+
+
 def check_tool_messages(messages: list[Message], *, answered_at_end: bool = True) -> None:
     """Tool turns as OpenAI requires them: ``tool_calls`` only on assistant messages, each
     ``tool`` message answering an earlier call by ``tool_call_id``, every call answered, the
@@ -249,11 +262,7 @@ def check_tool_messages(messages: list[Message], *, answered_at_end: bool = True
                     f"messages[{i}]: a 'tool' message needs a 'tool_call_id'", param="messages"
                 )
             if m.tool_call_id not in open_ids:
-                raise InvalidRequest(
-                    f"messages[{i}]: a 'tool' message must answer a tool call of an earlier assistant "
-                    f"message; no call has the id '{m.tool_call_id[:64]}'",
-                    param="messages",
-                )
+                raise UnknownCallAnswered(i, m.tool_call_id)
             open_ids.pop(m.tool_call_id)
             continue
         if open_ids:

@@ -586,6 +586,17 @@ def test_unsupported_input_items_are_400(http_nolife: TestClient, item: dict[str
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("name", ["a b", "ab\n", "x" * 65, "é"])
+def test_a_format_name_outside_openais_pattern_is_400(http_nolife: TestClient, name: str) -> None:
+    fmt = {"type": "json_schema", "name": name, "schema": {"type": "object"}}
+    r = http_nolife.post(
+        "/v1/responses",
+        json={"model": "base-model", "input": "Hi", "text": {"format": fmt}},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.name", r.text
+
+
 def test_text_format_json_schema_constrains_decoding(http_nolife: TestClient, engine: ReadyEngine) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     fmt: Any = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}

@@ -300,3 +300,77 @@ def test_required_cut_short_whole_agrees_with_the_stream() -> None:
         ("get_weather", "completed"),
         ("get_time", "incomplete"),
     ]
+
+
+# -- OpenAI: a Responses function tool that leaves out ``strict`` is strict --------------------
+ALICE = {"Authorization": "Bearer sk-alice-000000001"}
+STRICT_PARAMS: Any = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+A_FORMAT: Any = {
+    "format": {"type": "json_schema", "name": "answer", "schema": {"type": "object", "properties": {}}}
+}
+
+
+def _answer(tool: dict[str, Any], words: list[str], **fields: Any) -> tuple[dict[str, Any], Any]:
+    http, engine = app(words)
+    body = {"model": "base-model", "input": "Weather?", "tools": [tool], **fields}
+    r = http.post("/v1/responses", json=body, headers=ALICE)
+    assert r.status_code == 200, r.text
+    return r.json(), engine.calls[0][1].constraint
+
+
+@pytest.mark.parametrize("strict", [None, "left out"])
+def test_a_tool_without_strict_is_decoded_and_echoed_as_a_strict_one(strict: Any) -> None:
+    """OpenAI: "If you omit strict ... Responses requests will normalize your schema into
+    strict mode", chat's tools stay non-strict: beside a format, its arguments are decoded
+    against its parameters, as with ``strict: true``."""
+    tool = {"type": "function", "name": "get_weather", "parameters": STRICT_PARAMS}
+    if strict is None:
+        tool["strict"] = None
+    omitted, decoded = _answer(tool, ["{}"], text=A_FORMAT)
+    _, strict_decoded = _answer({**tool, "strict": True}, ["{}"], text=A_FORMAT)
+    _, free = _answer({**tool, "strict": False}, ["{}"], text=A_FORMAT)
+    assert decoded == strict_decoded != free
+    assert omitted["tools"][0]["strict"] is True
+
+
+def test_a_tool_without_strict_takes_no_arguments_outside_its_schema() -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": STRICT_PARAMS}
+    wrong = ['{"name": "get_weather", "arguments": {"town": "Paris"}}']
+    assert [item["type"] for item in _answer(tool, wrong)[0]["output"]] == ["message"]
+    loose, _ = _answer({**tool, "strict": False}, wrong)
+    assert [item["type"] for item in loose["output"]] == ["function_call"]
+    assert loose["tools"][0]["strict"] is False
+
+
+# -- errors in the Responses API's words ----------------------------------------------------
+def _refused(**fields: Any) -> dict[str, Any]:
+    http, engine = app(["x"])
+    r = http.post("/v1/responses", json={"model": "base-model", **fields}, headers=ALICE)
+    assert r.status_code == 400, r.text
+    assert engine.calls == []
+    return r.json()["error"]  # type: ignore[no-any-return]
+
+
+def test_an_output_answering_no_call_is_openais_400() -> None:
+    """OpenAI's words (with instructions before the input, chat's ``messages[i]`` would point
+    one item off)."""
+    error = _refused(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "hi"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+    )
+    assert error["param"] == "input"
+    assert error["message"] == "No tool call found for function call output with call_id c1."
+
+
+def test_an_unknown_tool_choice_names_the_responses_shape() -> None:
+    error = _refused(input="x", tools=[TIME], tool_choice="sometimes")
+    assert error["param"] == "tool_choice"
+    assert '{"type": "function", "name": ...}' in error["message"], error

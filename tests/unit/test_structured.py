@@ -72,6 +72,7 @@ def test_json_object_with_a_schema_beside_it_is_honoured() -> None:
         ({"type": "json_schema", "json_schema": {"name": "A"}}, "schema' is required"),
         (_schema_format(SCHEMA) | {"json_schema": {"schema": SCHEMA}}, "name' must be"),
         ({"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}, "name' must be"),
+        ({"type": "json_schema", "json_schema": {"name": "ab\n", "schema": SCHEMA}}, "name' must be"),
         (_schema_format(SCHEMA, strict="yes"), "strict' must be a boolean"),
         (_schema_format(SCHEMA, strict=0), "strict' must be a boolean"),  # 0 == False, found by fuzzing
         (_schema_format(SCHEMA, description={}), "description' must be a string"),  # found by fuzzing
