@@ -147,7 +147,7 @@ class HouseEncoder:
 
     def step(self, step: StepOutput) -> bytes:
         return b"".join(
-            b"event: message\ndata: " + _dumps({"text": c.text}, ensure_ascii=False).encode() + b"\n\n"
+            b"event: message\ndata: " + _house_json({"text": c.text}).encode() + b"\n\n"
             for c in step.chunks
             if c.text
         )
@@ -156,7 +156,19 @@ class HouseEncoder:
         return b"event: done\ndata: [DONE]\n\n"
 
     def error(self, exc: GatewayError) -> bytes:
-        return b"event: error\ndata: " + _dumps({"error": exc.message}, ensure_ascii=False).encode() + b"\n\n"
+        return b"event: error\ndata: " + _house_json({"error": exc.message}).encode() + b"\n\n"
+
+
+# Line breaks to Python's ``str.splitlines`` (so to httpx's and requests' ``iter_lines``), not
+# to SSE: raw in an event, they cut its data line in two for such clients. JSON escapes the
+# others (control characters); these three it leaves as they are without ``ensure_ascii``.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def _house_json(obj: dict[str, str]) -> str:
+    """The house format's JSON: UTF-8 as it is (its clients read it so), but for line breaks."""
+    text = _dumps(obj, ensure_ascii=False)
+    return text if text.isascii() else text.translate(_LINE_BREAKS)
 
 
 async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterator[bytes]:

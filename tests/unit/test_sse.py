@@ -62,6 +62,18 @@ async def test_house_format_is_byte_exact_and_utf8() -> None:
     )
 
 
+async def test_house_text_with_unicode_line_breaks_reads_line_by_line() -> None:
+    """U+2028, U+2029 and U+0085 end a line for ``str.splitlines`` (httpx's and requests'
+    ``iter_lines``), not for SSE: raw, they cut an event's data line in two for those clients."""
+    words = ["a\u2028b", "c\u2029d", "e\x85f", " 東京"]
+    gen = make_gen(FakeEngine(words=words))
+    raw = await collect(gen, HouseEncoder(gen))
+    lines = raw.decode().splitlines()
+    texts = [json.loads(line[6:])["text"] for line in lines if line.startswith("data: {")]
+    assert texts == words
+    assert "東京" in raw.decode()  # the rest stays UTF-8 as it is
+
+
 def test_house_error_event() -> None:
     gen = make_gen()
     assert (
