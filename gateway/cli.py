@@ -46,6 +46,8 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--catalog", "catalog", str, "adapter catalog YAML"),
     ("--adapters-root", "adapters_root", str, "folder adapters must live in"),
 ]
+# Relative paths in the settings (file, GATEWAY_*, --set) are the project's; these flags' the cwd's.
+_PATH_FLAGS = frozenset({"catalog", "adapters_root"})
 # What `adapters list` / `validate` read: the catalog, and the model its adapters are checked against.
 _CATALOG_FLAGS = frozenset(
     {"--model", "--served-model-name", "--max-lora-rank", "--catalog", "--adapters-root"}
@@ -73,6 +75,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     for _, key, _, _ in _FLAGS:
         if getattr(args, key, None) is not None:  # a command may not take every flag
             found[key] = getattr(args, key)
+            if key in _PATH_FLAGS:  # a path typed on the command line is the shell's: from here
+                found[key] = os.path.abspath(os.path.expanduser(found[key]))
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:

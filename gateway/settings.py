@@ -102,8 +102,23 @@ class EngineSettings(_Section):
     @classmethod
     def _home(cls, value: str | None) -> str | None:
         """``~/models/x`` (YAML, or ``--model=~/...`` where the shell leaves it) is a path to
-        vLLM only once expanded: as written it reads as a Hugging Face repo id."""
+        vLLM only once expanded: as written it reads as a Hugging Face repo id. Empty (compose's
+        ``${MODEL:-}``, ``--model ""``) is left out: the embedded model, the model's tokenizer."""
+        if value is not None and not value.strip():
+            return None
         return os.path.expanduser(value) if value is not None and value.startswith("~") else value
+
+    @field_validator("engine_args")
+    @classmethod
+    def _not_ours(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """An engine field given again in ``engine_args`` would reach vLLM while the gateway
+        sizes its scheduler, pins and limits from the field (``max_loras: 2`` there, 4 slots
+        here: pins the engine has no room for)."""
+        ours = sorted(set(value) & (set(cls.model_fields) - {"engine_args"}))
+        if ours:
+            fields = ", ".join(f"engine.{name}" for name in ours)
+            raise ValueError(f"{', '.join(ours)} are the gateway's engine settings: set {fields} instead")
+        return value
 
 
 class ServerSettings(_Section):
@@ -171,6 +186,8 @@ class ApiKey(_Section):
 
     @model_validator(mode="after")
     def _hash_plaintext(self) -> ApiKey:
+        if self.key is not None and self.sha256 is not None:  # which one? a rotation half done
+            raise ValueError("give key or sha256, not both")
         if self.key is not None:
             self.sha256 = hashlib.sha256(self.key.encode()).hexdigest()
             self.key = None
@@ -311,7 +328,7 @@ class GatewaySettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         init_kwargs = getattr(init_settings, "init_kwargs", {})
-        path = Path(init_kwargs.get("config") or os.environ.get("GATEWAY_CONFIG") or DEFAULT_CONFIG)
+        path = Path(init_kwargs.get("config") or _config_env() or DEFAULT_CONFIG)
         yaml_source = YamlConfigSettingsSource(settings_cls, yaml_file=path if path.exists() else None)
         return (init_settings, env_settings, yaml_source)
 
@@ -383,6 +400,12 @@ def _merge(target: dict[str, Any], more: dict[Any, Any]) -> None:
             target[key] = value
 
 
+def _config_env() -> str | None:
+    """``GATEWAY_CONFIG``, named in any case as pydantic-settings matches the other variables
+    (``gateway_config`` was shown as ``settings.config`` while another file was read)."""
+    return next((v for k, v in os.environ.items() if k.upper() == "GATEWAY_CONFIG" and v), None)
+
+
 def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
     """Build settings; ``overrides`` are dotted keys from the CLI (``engine.dtype``), each
     applied, null included (``--set engine.max_model_len=null``: the model's whole context).
@@ -392,7 +415,7 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
     init: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
         _deep_set(init, key, value)
-    config = init.get("config") or os.environ.get("GATEWAY_CONFIG")
+    config = init.get("config") or _config_env()
     path = Path(config) if config else DEFAULT_CONFIG
     if config and not path.is_file():
         raise ConfigError(f"config: {'not a file' if path.exists() else 'file not found'}: {config}")

@@ -106,10 +106,10 @@ class Gateway:
             await self.responses.open()  # before the engine's minutes: a bad path fails at once
             check_file(self.settings.catalog)  # so does a catalog that cannot be read at all
             check_model_path(self.settings.engine.model)  # and a model folder that is not there
+            self.snapshots = self.adapters.snapshots = snapshot_dir(self.settings.cache_dir)
             await self.engine.start()
             await self.service.measure_tokenizer()
             self._model_shapes = self._read_model_shapes()
-            self.snapshots = self.adapters.snapshots = SnapshotDir(self.settings.cache_dir / "adapters")
             catalog = Catalog(self.build_table, self.adapters.remove, self.adapters.register)
             await catalog.load_adapters()
             self._routes_changed(catalog.table)
@@ -347,6 +347,15 @@ def check_model_path(model: str | None) -> None:
         return
     if not Path(model).exists():
         raise ConfigError(f"engine.model: no such file or directory: {model}")
+
+
+def snapshot_dir(cache_dir: Path) -> SnapshotDir:
+    """This process's adapter copies under ``cache_dir``, made before the engine's minutes:
+    a cache_dir that cannot be written is a setting's error (exit status 2), not the engine's."""
+    try:
+        return SnapshotDir(cache_dir / "adapters")
+    except OSError as exc:
+        raise ConfigError(f"cache_dir: cannot write under {cache_dir}: {exc.strerror or exc}") from None
 
 
 def route_names(table: RoutingTable) -> frozenset[str]:

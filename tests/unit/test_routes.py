@@ -135,6 +135,21 @@ async def test_a_model_folder_that_is_not_there_fails_the_start_before_the_engin
     assert not engine.started  # vLLM would take it for a Hugging Face repo id
 
 
+async def test_a_cache_dir_that_cannot_be_written_fails_the_start_before_the_engine(
+    serve: Serve, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("where cache_dir's folder would be")
+    engine = FakeEngine()
+    served = await serve(
+        engine, wait_ready=False, cache_dir=str(blocker / "cache"), responses__store_path=":memory:"
+    )
+    await eventually_async(lambda: served.gw.startup_error is not None, 5, "the start failed")
+    assert (served.gw.startup_error or "").startswith(f"cache_dir: cannot write under {blocker / 'cache'}")
+    assert served.gw.exit_code == 2  # a setting, not "the engine could not start" (1)
+    assert not engine.started
+
+
 async def test_a_response_is_stored_when_it_ends_not_while_it_streams(serve: Serve) -> None:
     gate = asyncio.Event()
     served = await serve(FakeEngine(gate=gate))

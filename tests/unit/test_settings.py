@@ -550,3 +550,62 @@ def test_an_env_var_that_is_not_json_is_named_alone(env: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError) as info:
         load_settings({})
     assert str(info.value).startswith("config: GATEWAY_ENGINE__ENGINE_ARGS: not valid JSON")
+
+
+# -- found by a review of the operator's settings ------------------------------------------------
+@pytest.mark.parametrize("names", [["max_loras"], ["max_num_seqs", "model"], ["enable_lora"]])
+def test_engine_args_may_not_set_the_gateways_engine_fields(empty_config: str, names: list[str]) -> None:
+    """``engine_args: {max_loras: 2}`` reached vLLM while the scheduler, pins and limits were
+    sized from ``engine.max_loras``: pins the engine has no room for."""
+    with pytest.raises(ConfigError) as refused:
+        load_settings({"config": empty_config, "engine.engine_args": {name: 2 for name in names}})
+    for name in names:
+        assert f"engine.{name}" in str(refused.value)
+
+
+def test_engine_args_pass_vllms_other_arguments(empty_config: str) -> None:
+    args = {"enforce_eager": True, "max_seq_len_to_capture": 512}
+    assert load_settings({"config": empty_config, "engine.engine_args": args}).engine.engine_args == args
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_model_is_the_embedded_one(env: pytest.MonkeyPatch, empty_config: str, value: str) -> None:
+    """compose's ``GATEWAY_ENGINE__MODEL: ${MODEL:-}`` and ``--model ""`` (vLLM got model="")."""
+    env.setenv("GATEWAY_ENGINE__MODEL", value)
+    assert load_settings({"config": empty_config}).engine.model is None
+    env.delenv("GATEWAY_ENGINE__MODEL")
+    settings = load_settings({"config": empty_config, "engine.model": value, "engine.tokenizer": ""})
+    assert settings.engine.model is None and settings.engine.tokenizer is None
+
+
+def test_a_key_given_as_key_and_sha256_is_refused(empty_config: str) -> None:
+    """Which one? A rotation half done: the old key kept working while the new hash was dropped."""
+    keys = [{"name": "ci", "key": "sk-old-key-1234", "sha256": "0" * 64}]
+    with pytest.raises(ConfigError, match="key or sha256, not both"):
+        load_settings({"config": empty_config, "auth.keys": keys})
+
+
+def test_the_config_variable_is_read_in_any_case(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("engine:\n  max_num_seqs: 3\n")
+    env.setenv("gateway_config", str(mine))
+    assert load_settings().engine.max_num_seqs == 3
+
+
+def test_path_flags_are_the_current_directorys(
+    env: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``--config``: a path typed on the command line; the settings' own paths stay the
+    project's (``catalog: configs/adapters.yaml`` in a file)."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "adapters.yaml").write_text("routes:\n  - name: here\n    system_prompt: Hi.\n")
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    env.chdir(tmp_path)
+    args = build_parser().parse_args(
+        ["serve", "--config", "empty.yaml", "--catalog", "configs/adapters.yaml"]
+    )
+    assert _overrides(args)["catalog"] == str(tmp_path / "configs" / "adapters.yaml")
+    settings = load_settings({"config": "empty.yaml", "catalog": "configs/adapters.yaml"})  # --set's
+    assert settings.catalog == PROJECT_ROOT / "configs" / "adapters.yaml"
+    assert main(["adapters", "list", "--config", "empty.yaml", "--catalog", "configs/adapters.yaml"]) == 0
+    assert "here" in capsys.readouterr().out
