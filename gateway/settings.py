@@ -8,6 +8,7 @@ names, and ``engine.engine_args`` passes anything else through to vLLM unchanged
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -330,7 +332,30 @@ class GatewaySettings(BaseSettings):
         init_kwargs = getattr(init_settings, "init_kwargs", {})
         path = Path(init_kwargs.get("config") or _config_env() or DEFAULT_CONFIG)
         yaml_source = YamlConfigSettingsSource(settings_cls, yaml_file=path if path.exists() else None)
-        return (init_settings, env_settings, yaml_source)
+        return (init_settings, _EngineArgsEnvSettingsSource(settings_cls), yaml_source)
+
+
+class _EngineArgsEnvSettingsSource(EnvSettingsSource):
+    """The ``GATEWAY_*`` variables, with ``GATEWAY_ENGINE__ENGINE_ARGS__<NAME>`` values read as
+    YAML, as ``--set`` reads its values: pydantic-settings leaves them strings under
+    ``engine_args`` (a dict of anything), and vLLM's engine arguments take them as they come
+    (``enforce_eager: "false"``, which is true). ``GATEWAY_ENGINE__ENGINE_ARGS`` as JSON is
+    typed already."""
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        engine = data.get("engine")
+        args = engine.get("engine_args") if isinstance(engine, dict) else None
+        if isinstance(args, dict):
+            for name, raw in os.environ.items():
+                key = name[len(_ENGINE_ARGS_ENV) :].lower()
+                if name.upper().startswith(_ENGINE_ARGS_ENV) and "__" not in key and args.get(key) == raw:
+                    with contextlib.suppress(yaml.YAMLError, ValueError):
+                        args[key] = yaml.safe_load(raw)
+        return data
+
+
+_ENGINE_ARGS_ENV = "GATEWAY_ENGINE__ENGINE_ARGS__"
 
 
 # GATEWAY_* names that are not settings: the chat CLI's key, compose's model folder on the
@@ -398,6 +423,17 @@ def _merge(target: dict[str, Any], more: dict[Any, Any]) -> None:
             _merge(target[key], value)
         else:
             target[key] = value
+
+
+def check_model_path(model: str | None) -> None:
+    """``engine.model`` written as a path (``/``, ``./``, ``../``; the settings expand a
+    ``~``) must exist: vLLM takes a missing one for a Hugging Face repo id and says "Repo id
+    must be in the form 'repo_name' or 'namespace/repo_name'". A repo id
+    (``google/gemma-3-27b-it``) is vLLM's."""
+    if model is None or not model.startswith(("/", "./", "../")):
+        return
+    if not Path(model).exists():
+        raise ConfigError(f"engine.model: no such file or directory: {model}")
 
 
 def _config_env() -> str | None:

@@ -34,7 +34,7 @@ from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import Admission, Principal
 from gateway.service import ChatService
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, check_model_path
 from gateway.snapshots import SnapshotDir
 from gateway.store import ResponseStore
 from gateway.types import Engine
@@ -336,17 +336,6 @@ def model_slot_bytes(settings: GatewaySettings) -> int | None:
     engine = settings.engine
     config = model_config(engine.model, settings.cache_dir)
     return slot_bytes(config, engine.max_lora_rank, engine.dtype) if config is not None else None
-
-
-def check_model_path(model: str | None) -> None:
-    """``engine.model`` written as a path (``/``, ``./``, ``../``; the settings expand a
-    ``~``) must exist: vLLM takes a missing one for a Hugging Face repo id and says "Repo id
-    must be in the form 'repo_name' or 'namespace/repo_name'". A repo id
-    (``google/gemma-3-27b-it``) is vLLM's."""
-    if model is None or not model.startswith(("/", "./", "../")):
-        return
-    if not Path(model).exists():
-        raise ConfigError(f"engine.model: no such file or directory: {model}")
 
 
 def snapshot_dir(cache_dir: Path) -> SnapshotDir:

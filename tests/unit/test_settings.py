@@ -609,3 +609,26 @@ def test_path_flags_are_the_current_directorys(
     assert settings.catalog == PROJECT_ROOT / "configs" / "adapters.yaml"
     assert main(["adapters", "list", "--config", "empty.yaml", "--catalog", "configs/adapters.yaml"]) == 0
     assert "here" in capsys.readouterr().out
+
+
+def test_engine_args_variables_are_read_as_yaml(env: pytest.MonkeyPatch, empty_config: str) -> None:
+    """As ``--set`` reads its values: vLLM's engine arguments take what they are given, and the
+    string "false" is true. The JSON form is typed already, its strings stay strings."""
+    env.setenv("GATEWAY_ENGINE__ENGINE_ARGS__ENFORCE_EAGER", "false")
+    env.setenv("GATEWAY_ENGINE__ENGINE_ARGS__MAX_SEQ_LEN_TO_CAPTURE", "512")
+    env.setenv("GATEWAY_ENGINE__ENGINE_ARGS__TOKENIZER_MODE", "slow")
+    args = load_settings({"config": empty_config}).engine.engine_args
+    assert args == {"enforce_eager": False, "max_seq_len_to_capture": 512, "tokenizer_mode": "slow"}
+    for name in ("ENFORCE_EAGER", "MAX_SEQ_LEN_TO_CAPTURE", "TOKENIZER_MODE"):
+        env.delenv(f"GATEWAY_ENGINE__ENGINE_ARGS__{name}")
+    env.setenv("GATEWAY_ENGINE__ENGINE_ARGS", '{"revision": "1234"}')
+    assert load_settings({"config": empty_config}).engine.engine_args == {"revision": "1234"}
+
+
+def test_adapters_validate_refuses_a_model_path_that_is_not_there(
+    empty_config: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``serve`` does (exit status 2), not a NOTE and "catalog OK"."""
+    missing = tmp_path / "no-model"
+    assert main(["adapters", "validate", "--config", empty_config, "--model", str(missing)]) == 2
+    assert f"engine.model: no such file or directory: {missing}" in capsys.readouterr().err
