@@ -257,6 +257,8 @@ def _read_spec(catalog_path: Path) -> CatalogFile:
         return CatalogFile.model_validate(data)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{catalog_path}: {_one_line(exc)}") from None
+    except RecursionError:  # thousands of nested brackets: the reload endpoint's 422, not a 500
+        raise ConfigError(f"{catalog_path}: the file is nested too deeply") from None
 
 
 def check_file(catalog_path: Path) -> None:

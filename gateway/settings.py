@@ -470,6 +470,8 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
     except (OSError, ValueError) as exc:  # unreadable
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config: {detail}") from None
+    except RecursionError:  # thousands of nested brackets
+        raise ConfigError(f"config: {path}: the file is nested too deeply") from None
 
 
 def _env_error(exc: SettingsError) -> str:

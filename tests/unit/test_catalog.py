@@ -357,6 +357,11 @@ def test_an_empty_catalog_file_is_an_error_not_an_empty_catalog(
     assert table_for(tmp_path, root, "routes: []\n").routes == {}  # no routes, said on purpose
 
 
+def test_a_catalog_nested_too_deeply_is_an_error_not_a_crash(tmp_path: Path, root: Path) -> None:
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        table_for(tmp_path, root, "routes: " + "[" * 5000 + "]" * 5000 + "\n")
+
+
 def test_safe_adapter_path_refuses_parent_parts(tmp_path: Path, root: Path) -> None:
     with pytest.raises(ConfigError):
         safe_adapter_path("shout/../../x", root)

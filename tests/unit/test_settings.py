@@ -632,3 +632,10 @@ def test_adapters_validate_refuses_a_model_path_that_is_not_there(
     missing = tmp_path / "no-model"
     assert main(["adapters", "validate", "--config", empty_config, "--model", str(missing)]) == 2
     assert f"engine.model: no such file or directory: {missing}" in capsys.readouterr().err
+
+
+def test_a_settings_file_nested_too_deeply_is_one_line(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("engine: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_settings({"config": str(deep)})
