@@ -268,17 +268,24 @@ async def test_a_pinned_version_leaving_frees_its_slot_for_waiting_requests() ->
     busy.release()
 
 
-async def test_a_pin_that_fails_on_retry_is_logged_and_the_removal_completes() -> None:
-
+async def test_a_pin_that_fails_on_retry_is_logged_and_the_removal_completes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     s, engine, _ = slots(max_loras=2)
     await s.register(lora_route("shout", 1, pinned=True))
     await s.register(lora_route("shout", 2, pinned=True))
+    tried: list[int] = []
 
     async def failing_pin(lora_id: int) -> None:
+        tried.append(lora_id)
         raise EngineFailed("no")
 
     engine.pin_lora = failing_pin  # type: ignore[method-assign]
-    await s.remove(1)
+    with caplog.at_level(logging.ERROR, logger="gateway.adapter_slots"):
+        await s.remove(1)
+    assert tried == [2]  # the waiting pin was tried when the first one left
+    assert s.pins_failed == {2: "no"}
+    assert "adapter shout could not be pinned: no" in caplog.text
     assert engine.loras == {2} and s.pinned == set() and s.pins_waiting == {}
 
 
@@ -400,7 +407,19 @@ def test_max_cpu_loras_is_a_flag() -> None:
 
 
 async def test_a_failed_warm_up_takes_the_weights_back_out() -> None:
+    s, engine, _ = slots()
 
+    async def failing_generate(*args: Any, **kwargs: Any) -> Any:
+        raise EngineFailed("warm-up failed")
+        yield  # an async generator, as the engine's
+
+    engine.generate = failing_generate  # type: ignore[method-assign]
+    with pytest.raises(EngineFailed, match="warm-up failed"):  # the catalog rejects the route
+        await s.register(lora_route("shout", 1, preload=True))
+    assert engine.loras == set() and s.registered == set() and s.preloaded == set()
+
+
+async def test_a_failed_pin_at_registration_takes_the_weights_back_out() -> None:
     s, engine, _ = slots()
 
     async def failing_pin(lora_id: int) -> None:

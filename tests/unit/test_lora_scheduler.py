@@ -702,12 +702,24 @@ async def test_with_a_pin_a_request_past_max_wait_still_waits_for_a_slot() -> No
 
 
 async def test_with_a_pin_the_timer_does_not_spin() -> None:
+    """A queue the bounded wait may not force (a pin) arms no timer: one that fired with
+    nothing to force would be armed again at once, thousands of times a second."""
     s = make(slots=2, max_wait_s=0.01, clock=asyncio.get_running_loop().time, pinned={1})
+    expired = 0
+    expire = s.expire
+
+    def counted() -> None:
+        nonlocal expired
+        expired += 1
+        expire()
+
+    s.expire = counted  # type: ignore[method-assign]
     r = Requests(s)
     await r.ask("b1", B)
     c1 = await r.ask("c1", C)
     await asyncio.sleep(0.05)
     assert not c1.done() and s.forced == 0
+    assert expired <= 1, f"the timer fired {expired} times in 50 ms"
     await r.release("b1")
     assert c1.done()
 

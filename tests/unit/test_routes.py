@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 from unittest.mock import AsyncMock
 
 import pytest
@@ -150,14 +151,33 @@ async def test_a_cache_dir_that_cannot_be_written_fails_the_start_before_the_eng
     assert not engine.started
 
 
+class PausesAfterItsFirstStep(FakeEngine):
+    """Its first step goes out; ``more`` is set once the gateway has taken it and asks for the
+    next, which waits for ``go``."""
+
+    def __init__(self) -> None:
+        super().__init__(words=["Hello", " there", "!"])
+        self.more, self.go = asyncio.Event(), asyncio.Event()
+
+    async def generate(  # type: ignore[override]
+        self, prompt_ids: list[int], sampling: Any, request_id: str, lora: LoraSpec | None, priority: int = 0
+    ) -> AsyncIterator[Any]:
+        steps = super().generate(prompt_ids, sampling, request_id, lora, priority)
+        yield await anext(steps)
+        self.more.set()
+        await self.go.wait()
+        async for step in steps:
+            yield step
+
+
 async def test_a_response_is_stored_when_it_ends_not_while_it_streams(serve: Serve) -> None:
-    gate = asyncio.Event()
-    served = await serve(FakeEngine(gate=gate))
+    engine = PausesAfterItsFirstStep()
+    served = await serve(engine)
     body = {"model": BASE, "input": "Hi", "stream": True}
     stream = asyncio.ensure_future(served.http.post("/v1/responses", json=body))
-    await eventually_async(lambda: served.engine.running == 1, 5, "the stream is generating")
+    await asyncio.wait_for(engine.more.wait(), 5)  # its first delta has been encoded
     assert served.gw.responses.count_now() == 0  # README: GET is a 404 until it ends
-    gate.set()
+    engine.go.set()
     last = [e for e in (await stream).text.split("\n\n") if e][-1]
     final = json.loads(last.split("\ndata: ", 1)[1])
     assert final["type"] == "response.completed"

@@ -228,7 +228,7 @@ async def test_a_completions_schema_is_checked_while_the_event_loop_runs(
     assert watch.waited == [True] and len(engine.calls) == 1
 
 
-async def test_a_bad_schema_is_still_a_400_naming_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_bad_schema_is_still_a_400_naming_its_field() -> None:
     service, catalog, _ = setup()
     bad = {"type": "object", "properties": {uuid.uuid4().hex: {"type": "strin"}}}
     with pytest.raises(InvalidRequest) as info:
