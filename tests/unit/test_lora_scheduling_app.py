@@ -122,18 +122,18 @@ async def test_a_request_that_left_while_waiting_counts_no_prompt_tokens(serve: 
     served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
     scheduler = served.gw.scheduler
     assert scheduler is not None
+    json_id = served.gw.catalog_or_503().table.routes["json"].lora.lora_id  # type: ignore[union-attr]
     shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
     await eventually_async(lambda: len(served.engine.calls) == 1, 5, "shout in the engine")
+    served.gw.adapters.resident.discard(json_id)  # as if the engine had evicted json: it is cold
     json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
     await eventually_async(lambda: scheduler.queued == 1, 5, "json queued")
-    served.gw.adapters.resident.clear()  # as if the engine had evicted json meanwhile
     json_.cancel()
     await eventually_async(lambda: scheduler.queued == 0, 5, "json left the queue")
     gate.set()
     assert (await shout).status_code == 200
     metrics = (await served.http.get("/metrics", headers=ADMIN)).text
     assert 'gateway_prompt_tokens_total{route="json"}' not in metrics
-    json_id = served.gw.catalog_or_503().table.routes["json"].lora.lora_id  # type: ignore[union-attr]
     assert json_id not in served.gw.adapters.resident  # the next json request is cold
     assert 'gateway_prompt_tokens_total{route="shout"}' in metrics
 

@@ -18,6 +18,7 @@ import pytest
 
 from gateway.errors import EngineFailed
 from gateway.metrics import RETIRED_KEPT
+from gateway.middleware import Admission, Place, Principal
 from tests.helpers import (
     assert_openai_error,
     chat_body,
@@ -352,6 +353,7 @@ async def test_above_max_inflight_is_a_fast_429_with_retry_after(serve: Serve) -
     assert (await served.http.get("/v1/models")).status_code == 200  # only inference is bounded
     status = (await served.http.get("/admin/status", headers=ADMIN)).json()
     assert status["inflight"] == 2 and status["rejected"] == 3
+    assert served.gw.metrics.registry.get_sample_value("gateway_admission_rejected_total") == 3  # alerts
     gate.set()
     assert [(await soon(t)).status_code for t in running] == [200, 200]
     assert served.gw.admission.inflight == 0
@@ -497,6 +499,17 @@ async def test_too_large_is_refused_before_its_prompts_are_tokenized(serve: Serv
     await http.aclose()
     assert encoded == [] and served.gw.admission.rejected == 1  # once: not retried
     assert served.gw.metrics.registry.get_sample_value("gateway_admission_rejected_total") == 1
+
+
+def test_admission_reads_the_keys_limit_before_its_own_bound() -> None:
+    """With max_inflight 1 a request's size was cut to 1 before its key's limit was read
+    (the app refuses such a request earlier too: ``routes``, before tokenizing)."""
+    admission = Admission(max_inflight=1, retry_after_s=1)
+    four = Principal("four", None, admin=False, max_concurrency=4)
+    assert admission.admit(four) is None
+    refused = admission.grow(Place(four), 8, "n=8")
+    assert refused is not None and "Request too large" in refused.message
+    assert refused.headers == {"x-should-retry": "false"}
 
 
 async def test_too_large_holds_when_the_gateway_runs_one_sequence(serve: Serve) -> None:

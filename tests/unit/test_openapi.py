@@ -258,13 +258,22 @@ def test_security_is_a_key_except_on_public_paths() -> None:
     assert public_metrics["paths"]["/metrics"]["get"]["security"] == []
 
 
-async def test_served_without_a_key_built_once(serve: Serve) -> None:
+async def test_served_without_a_key_built_once(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
     served = await serve()
+    built: list[object] = []
+    monkeypatch.setattr("gateway.openapi.build_document", lambda *args: built.append(args) or {})
     r = await served.http.get("/openapi.json", headers={"Authorization": ""})
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    monkeypatch.undo()
     assert r.json() == build_document(ROUTES, PUBLIC_PATHS)
-    assert served.app.state.openapi is served.app.state.openapi  # bytes rendered by create_app
     assert (await served.http.get("/openapi.json")).content == r.content
+    assert built == []  # rendered by create_app, not per request
+
+
+async def test_the_served_document_has_the_apps_public_paths(serve: Serve) -> None:
+    served = await serve(auth__public_metrics=True)
+    document = (await served.http.get("/openapi.json")).json()
+    assert document["paths"]["/metrics"]["get"]["security"] == []
 
 
 # GET and DELETE were two routes: a 405 there (OPTIONS, found by schemathesis) allowed GET only.

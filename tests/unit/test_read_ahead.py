@@ -85,9 +85,11 @@ async def test_a_long_stalled_stream_with_logprobs_is_merged_in_linear_time() ->
     assert time.perf_counter() - started < 2.0  # linear: ~0.2 s; quadratic: ~7 s
 
 
-async def test_a_consumer_that_keeps_up_takes_every_step_on_its_own() -> None:
+@pytest.mark.parametrize("burst", [False, True])
+async def test_a_consumer_that_keeps_up_takes_every_step_on_its_own(burst: bool) -> None:
     """Steps arriving as the engine makes them (one per loop turn or slower) are handed on
-    one by one: a reader that keeps up sees the engine's steps, not merged ones."""
+    one by one: a reader that keeps up sees the engine's steps, not merged ones. Also steps
+    the engine has ready at once (``burst``): the reader lets the consumer take each."""
     queue: asyncio.Queue[StepOutput] = asyncio.Queue()
 
     async def engine_steps() -> AsyncIterator[StepOutput]:
@@ -105,8 +107,10 @@ async def test_a_consumer_that_keeps_up_takes_every_step_on_its_own() -> None:
             taken.append(s.chunks[0].text)
 
     consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0.001)  # the consumer waits for its first step
     for i in range(20):
         queue.put_nowait(StepOutput([Chunk(0, str(i), 1)], 3, i == 19))
-        await asyncio.sleep(0.001)
+        if not burst:
+            await asyncio.sleep(0.001)
     await asyncio.wait_for(consumer, 5)
     assert taken == [str(i) for i in range(20)]

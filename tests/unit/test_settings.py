@@ -150,6 +150,9 @@ def test_cors_origins_default_to_any_and_take_a_list(empty_config: str) -> None:
         ({"name": "a", "key": "sk-shrt"}, "sk-shrt"),  # below min_length
         ({"name": "a", "api_key": "sk-live-0123456789abcdef"}, "sk-live-0123456789abcdef"),  # misspelt field
         ({"name": "a", "key": 1234567890123}, "1234567890123"),  # YAML reads an all-digit key as int
+        # under auth, in fields not named like a secret: a key pasted into the wrong one
+        ({"name": "a", "sha256": "sk-live-SECRET-0001"}, "sk-live-SECRET-0001"),
+        ({"name": "a", "key": "sk-live-SECRET-0002", "max_concurrency": "sk-live-SECRET-0002"}, "SECRET"),
     ],
 )
 def test_a_rejected_api_key_is_not_echoed(empty_config: str, entry: dict[str, object], secret: str) -> None:
@@ -162,12 +165,21 @@ def test_a_rejected_api_key_is_not_echoed(empty_config: str, entry: dict[str, ob
     ("field", "value"),
     [
         ("server.api_key", "sk-live-SECRET-123456"),  # vLLM's spelling, outside auth: an unknown field
-        ("engine.hf_token", "hf_SECRET123456"),  # any unknown field: its value is unvetted
+        ("engine.hf_token", "hf_SECRET123456"),
+        ("server.bearer", "SECRET-123456"),  # any unknown field, named like a secret or not
+        ("engine.download_dir_pw", "SECRET-123456"),
     ],
 )
 def test_a_secret_outside_auth_is_not_echoed(empty_config: str, field: str, value: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{field}: Extra inputs are not permitted") as info:
         load_settings({"config": empty_config, field: value})
+    assert "SECRET" not in str(info.value)
+
+
+def test_keys_given_as_a_string_are_not_echoed(env: pytest.MonkeyPatch, empty_config: str) -> None:
+    env.setenv("GATEWAY_AUTH__KEYS", '"sk-live-SECRET-0003"')
+    with pytest.raises(ConfigError, match=r"^auth\.keys: ") as info:
+        load_settings({"config": empty_config})
     assert "SECRET" not in str(info.value)
 
 
