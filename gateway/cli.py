@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from gateway.errors import ConfigError
-from gateway.settings import GatewaySettings, check_model_path, load_settings, unknown_env
+from gateway.settings import GatewaySettings, load_settings, unknown_env
 
 # The chat CLI's key when --api-key is not given (the OpenAI SDK reads OPENAI_API_KEY the same
 # way; not that one, which may hold a key for OpenAI itself, not to be sent to a gateway).
@@ -209,7 +209,6 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
     from gateway.catalog import LoraIds, load_table
 
     model = settings.engine.model
-    check_model_path(model)  # as serve refuses it (exit status 2), not a NOTE then "catalog OK"
     if model is None:
         from gateway.embedded import EMBEDDED_NAME, embedded_model_dir, is_prepared
 

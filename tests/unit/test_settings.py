@@ -637,15 +637,6 @@ def test_engine_args_variables_are_read_as_yaml(env: pytest.MonkeyPatch, empty_c
     assert load_settings({"config": empty_config}).engine.engine_args == {"revision": "1234"}
 
 
-def test_adapters_validate_refuses_a_model_path_that_is_not_there(
-    empty_config: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """As ``serve`` does (exit status 2), not a NOTE and "catalog OK"."""
-    missing = tmp_path / "no-model"
-    assert main(["adapters", "validate", "--config", empty_config, "--model", str(missing)]) == 2
-    assert f"engine.model: no such file or directory: {missing}" in capsys.readouterr().err
-
-
 def test_a_settings_file_nested_too_deeply_is_one_line(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     deep = tmp_path / "deep.yaml"
     deep.write_text("engine: " + "[" * 5000 + "]" * 5000 + "\n")
