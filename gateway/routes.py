@@ -124,26 +124,26 @@ def _stream_format(request: Request, served: tuple[str, ...]) -> str:
 def _house_can_carry(body: ChatCompletionRequest, gen: Generation, endpoint: str | None = None) -> None:
     """The house stream carries one choice's text: a request for more is a 400, not dropped.
     ``endpoint``: ``POST /chat``, whose 400s point to /v1/chat/completions; else the header's."""
-    refused = None
+    refused: tuple[str, str, str | None] | None = None  # the field, why, what to send instead
     if body.stream is False and "stream" in body.model_fields_set:  # as POST /chat refuses it
-        refused = ("X-Stream-Format: house streams; use /v1/chat/completions for one JSON answer", "stream")
+        refused = ("stream", "X-Stream-Format: house streams", "use /v1/chat/completions for one JSON answer")
     elif gen.sampling.n > 1:
-        refused = ("the house stream format carries one choice; use n=1", "n")
+        refused = ("n", "the house stream format carries one choice", "use n=1")
     elif gen.tools.mode != "none":
-        refused = ("the house stream format carries no tool calls", "tools")
+        refused = ("tools", "the house stream format carries no tool calls", None)
     elif body.logprobs:
-        refused = ("the house stream format carries no logprobs", "logprobs")
+        refused = ("logprobs", "the house stream format carries no logprobs", None)
     elif body.include_usage:
-        refused = ("the house stream format carries no usage chunk", "stream_options.include_usage")
-    if refused is not None and endpoint is not None:
-        reason = refused[0].split(";")[0]
-        refused = (
-            f"'{refused[1]}' is not supported by {endpoint} ({reason}); use /v1/chat/completions",
-            refused[1],
-        )
-    if refused is not None:
-        gen.close()
-        raise InvalidRequest(refused[0], param=refused[1])
+        refused = ("stream_options.include_usage", "the house stream format carries no usage chunk", None)
+    if refused is None:
+        return
+    gen.close()
+    param, why, instead = refused
+    if endpoint is not None:
+        message = f"'{param}' is not supported by {endpoint} ({why}); use /v1/chat/completions"
+    else:
+        message = f"{why}; {instead}" if instead else why
+    raise InvalidRequest(message, param=param)
 
 
 async def completions(request: Request) -> Response:
