@@ -256,13 +256,13 @@ class AdapterSlots:
             self.paths[lora.lora_id] = Path(lora.path)
             await self._after_load(lora.lora_id)
         try:
-            # Also a version already loaded whose entry now asks for preload (an edit that
-            # sets ``preload: true`` keeps the files, so the version and its id stay).
-            if route.preload and lora.lora_id not in self.preloaded:
-                await self._preload(route)
-                self.preloaded.add(lora.lora_id)
+            # Pinned first: once pinned, its warm-up needs no turn.
             if route.pinned and lora.lora_id not in self.pinned:
                 await self._pin(route)
+            # Also a version already loaded whose entry now asks for preload (an edit that
+            # sets ``preload: true`` keeps the files, so the version and its id stay).
+            if route.preload and lora.lora_id not in self.preloaded and await self._preload(route):
+                self.preloaded.add(lora.lora_id)
         except GatewayError:
             if fresh:  # the route is rejected: its weights must not stay behind
                 await self.remove(lora.lora_id)
@@ -353,16 +353,33 @@ class AdapterSlots:
                 log.error("adapter %s could not be pinned: %s", route.name, exc.message)
             self.pins_waiting.pop(route.lora.lora_id, None)
 
-    async def _preload(self, route: Route) -> None:
+    async def _preload(self, route: Route) -> bool:
         """One token on the adapter: its weights and kernels are warm before a user asks.
         The warm-up runs under ``versioned_name``, never the route name, so it never shares
-        a name with another version in one batch."""
+        a name with another version in one batch. It waits for its turn at most the bounded
+        wait (``max_adapter_wait_s``; with a pin there is none, and the streams holding the
+        slots may run for minutes while the reload holds the catalog's lock): False when it
+        was left out, and a later reload warms it."""
         assert route.lora is not None and route.digest is not None
         lora = replace(route.lora, name=versioned_name(route))
         params = self.engine.prepare(SamplingSpec(max_tokens=1, temperature=0.0))
         prompt = self.engine.tokenizer.encode("Hello")
         t0 = time.perf_counter()
-        ticket = await self.scheduler.turn(route, observe=False) if self.scheduler is not None else None
+        ticket = None
+        if self.scheduler is not None:
+            try:
+                # A second more than the bound: where it holds (no pin), it sends the warm-up.
+                ticket = await asyncio.wait_for(
+                    self.scheduler.turn(route, observe=False), self.scheduler.max_wait_s + 1.0
+                )
+            except TimeoutError:
+                log.info(
+                    "adapter %s loaded, not warmed: the GPU slots stayed busy for %.0f s (a later "
+                    "reload warms it)",
+                    route.name,
+                    self.scheduler.max_wait_s + 1.0,
+                )
+                return False
         try:
             request_id = f"preload-{route.name}-{lora.lora_id}"
             async for _ in self.engine.generate(prompt, params, request_id, lora):
@@ -371,6 +388,7 @@ class AdapterSlots:
             if ticket is not None:
                 ticket.release()
         log.info("adapter %s preloaded (%.0f ms)", route.name, (time.perf_counter() - t0) * 1000)
+        return True
 
     async def remove(self, lora_id: int) -> None:
         pinning = self.pinning.pop(lora_id, None)

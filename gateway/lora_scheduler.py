@@ -37,7 +37,9 @@ Routes on the same adapter files share one engine LoRA id, so here one adapter: 
 queue, one slot and one virtual time at the route level for all of them, charged at the
 highest weight among the routes that used it since it was last idle (a turn serves them
 all; the highest gives each route at least its own share). Waits, timeouts and
-``snapshot`` are booked under each request's own route.
+``snapshot`` are booked under each request's own route. A route's new version (a hot swap)
+starts at the virtual time of the version it replaces, so the route's requests keep their
+order across the swap.
 
 Pinned adapters (``AdapterSlots.pinned``) hold GPU slots for good: their requests never
 wait and they count against ``slots``, never also as active (one pinned while active gives
@@ -167,7 +169,11 @@ class LoraScheduler:
         caller = caller or ANONYMOUS
         adapter = self._adapters.get(route.lora.lora_id)
         if adapter is None:
+            # A route's new version (its files changed) takes over the turns of the versions
+            # before it, so its requests do not go ahead of theirs still queued.
+            before = [a.lora_id for a in self._adapters.values() if route.name in a.weights]
             adapter = self._adapters[route.lora.lora_id] = _Adapter(route.lora.lora_id)
+            self._share.inherit(adapter.lora_id, before)
         adapter.weights[route.name] = route.weight  # a reload may change it
         if self._may_enter(adapter, caller):
             return self._enter(adapter, route.name, 0.0 if observe else None)
@@ -268,6 +274,7 @@ class LoraScheduler:
             adapter = self._adapters.get(lora_id)
             if adapter is not None:
                 self._unslot(adapter)
+        self._wake_pins()  # a pinned version that left may have made the room one waits for
         self._fill()
         self._arm()
 
@@ -287,6 +294,10 @@ class LoraScheduler:
         adapter.draining = False
         del self._active[adapter.lora_id]
         self._level_if_idle()
+        self._wake_pins()
+
+    def _wake_pins(self) -> None:
+        """The pins waiting in ``room_for_pin`` look again whether the others fit."""
         rooms, self._room = self._room, []
         for room in rooms:
             if not room.done():
@@ -396,6 +407,9 @@ class LoraScheduler:
                 for route, count in routes.items():
                     self._metrics.adapter_wait_timeouts.labels(self._metrics.route_label(route)).inc(count)
         self.forced += sent
+        # A queue whose requests had all left went on and off at once: those draining for
+        # it may take requests again, and its slot is free.
+        self._fill()
         self._arm()
         return sent
 
@@ -444,12 +458,17 @@ class LoraScheduler:
     def snapshot(self) -> dict[str, object]:
         """For ``/admin/status``, by route: requests of active adapters in the engine, queued
         requests, and requests sent on by timeout."""
+        inflight: Counter[str] = Counter()
+        draining: set[str] = set()
+        for a in self._active.values():  # two versions of a route during a hot swap: summed
+            for route, count in a.routes.items():
+                inflight[route] += count
+                if a.draining:
+                    draining.add(route)
         return {
             "slots": self._capacity(),
             "active": {
-                route: {"inflight": count, "draining": a.draining}
-                for a in self._active.values()
-                for route, count in a.routes.items()
+                route: {"inflight": count, "draining": route in draining} for route, count in inflight.items()
             },
             "queued": self.queued_routes(),
             "forced": self.forced,
@@ -479,6 +498,13 @@ class _FairShare:
 
     def forget(self, lora_id: int) -> None:
         self._routes.pop(lora_id, None)
+
+    def inherit(self, lora_id: int, before: list[int]) -> None:
+        """``lora_id`` starts where the latest of ``before`` is (an equal time: the oldest
+        request goes first)."""
+        times = [self._routes[b] for b in before if b in self._routes]
+        if times:
+            self._routes[lora_id] = max(self._routes.get(lora_id, 0.0), *times)
 
     def _route(self, adapter: _Adapter) -> float:
         return max(self._routes.get(adapter.lora_id, 0.0), self._route_clock)

@@ -204,6 +204,23 @@ async def test_a_warm_up_waits_for_its_adapters_turn() -> None:
     assert s.scheduler.snapshot()["active"] == {}
 
 
+async def test_a_warm_up_that_waits_past_the_bound_is_left_for_a_later_reload() -> None:
+    """With a pin the bounded wait is off, and the streams holding the slots may run for
+    minutes while the reload holds the catalog's lock: the warm-up gives up after the bound
+    (plus a second), the route is registered unwarmed, and the next registration warms it."""
+    s, engine, _ = slots(max_loras=2)
+    s.scheduler = LoraScheduler(2, quantum_s=10.0, max_wait_s=0.1, pinned=s.pinned)
+    await s.register(lora_route("pin", 1, pinned=True))
+    busy = await s.scheduler.turn(lora_route("busy", 2))  # holds the one unpinned slot
+    assert busy is not None
+    await asyncio.wait_for(s.register(lora_route("new", 3, preload=True)), 3)
+    assert engine.calls == [] and 3 in s.registered and 3 not in s.preloaded
+    assert s.scheduler.queued == 0  # its turn left the queue
+    busy.release()
+    await s.register(lora_route("new", 3, preload=True))  # the next reload
+    assert [call[2] for call in engine.calls] == ["preload-new-3"] and 3 in s.preloaded
+
+
 async def test_a_warm_up_is_not_a_user_request_in_the_wait_metrics() -> None:
     """Warm-ups run before their route is a metrics label: counted, they showed as
     ``gateway_adapter_wait_seconds{route="unknown"}``; a user request after it is counted."""

@@ -885,3 +885,69 @@ async def test_of_two_drains_the_later_granted_ends_first() -> None:
     await r.release("c1")  # D takes C's slot; E still waits
     assert "d1" in r.went() and "b2" in r.went() and "a2" not in r.went()
     assert s.snapshot()["active"]["a"]["draining"] and not s.snapshot()["active"]["b"]["draining"]
+
+
+async def test_a_pin_waiting_for_room_lands_once_a_pinned_version_leaving_makes_it() -> None:
+    """Room for a pin comes from a pinned version leaving as well as from an active adapter
+    going idle: with steady traffic on the active ones only the first happens."""
+    pinned: set[int] = {9}  # an old pinned version, about to leave the engine
+    s = make(slots=4, pinned=pinned)
+    tickets = [await s.turn(route, ME) for route in (A, B, C)]  # 4 slots - 1 pin
+    pin = start_pin(s, pinned, 5)  # needs the others to fit 4 - 1 - 1 = 2 slots
+    await settle()
+    assert 5 not in pinned
+    pinned.discard(9)  # AdapterSlots.remove of the old pinned version
+    s.pins_changed()
+    await settle()
+    assert 5 in pinned  # the three others fit the 4 - 1 slots the new pin leaves
+    await pin
+    for ticket in tickets:
+        assert ticket is not None
+        ticket.release()
+
+
+async def test_a_drain_for_a_queue_that_left_as_its_wait_ran_out_ends() -> None:
+    """A drains for B; B's only request leaves in the instant its bounded wait sends it on.
+    A must take requests again, its queued one first."""
+    clock = Clock()
+    s = make(slots=1, quantum_s=1.0, max_wait_s=3.0, clock=clock)
+    r = Requests(s)
+    await r.ask("a1", A)
+    b1 = await r.ask("b1", B)
+    clock.now += 1.0
+    await r.ask("a2", A)  # past its quantum with B waiting: A drains, a2 queues
+    assert r.went() == {"a1"}
+    clock.now += 2.0
+    b1.cancel()  # its client leaves as the timer fires
+    s.expire()
+    await settle()
+    assert r.went() == {"a1", "a2"} and s.queued == 0
+    await r.ask("a3", A)
+    assert r.order == ["a1", "a2", "a3"]
+
+
+async def test_requests_of_one_route_keep_their_order_across_a_hot_swap() -> None:
+    """The route's new version (a new lora id) must not go ahead of the old version's
+    requests still queued: it starts at the old version's virtual time."""
+    clock = Clock()
+    s = make(slots=1, quantum_s=1.0, clock=clock)
+    r = Requests(s)
+    new_a = Route(name="a", kind="lora", lora=LoraSpec("a", 7, "/adapters/a"))
+    await r.ask("a1", A)
+    await r.ask("b1", B)
+    clock.now += 2  # past the quantum: A drains for B
+    await r.ask("a2", A)
+    await r.release("a1")  # B's turn; a2 waits
+    assert r.went() == {"a1", "b1"}
+    clock.now += 1
+    await r.ask("a3", new_a)  # after the swap
+    await r.release("b1")
+    assert [label for label in r.order if label.startswith("a")][:2] == ["a1", "a2"]
+
+
+async def test_the_snapshot_sums_both_versions_of_a_route() -> None:
+    s = make(slots=2)
+    new_a = Route(name="a", kind="lora", lora=LoraSpec("a", 7, "/adapters/a"))
+    tickets = [await s.turn(A, ME), await s.turn(A, ME), await s.turn(new_a, ME)]
+    assert all(t is not None for t in tickets)
+    assert s.snapshot()["active"] == {"a": {"inflight": 3, "draining": False}}
