@@ -5,7 +5,7 @@ Exception tree::
     GatewayError                  status_code, type, code, param
      ├── InvalidRequest           400 invalid_request_error
      │    └── ContextLengthExceeded   400 code=context_length_exceeded
-     ├── AuthenticationFailed     401 authentication_error
+     ├── AuthenticationFailed     401 invalid_request_error code=invalid_api_key (as OpenAI)
      ├── PermissionDenied         403 permission_error
      ├── ModelNotFound            404 invalid_request_error code=model_not_found
      ├── NotFound                 404 invalid_request_error
@@ -73,7 +73,7 @@ class ContextLengthExceeded(InvalidRequest):
 
 class AuthenticationFailed(GatewayError):
     status_code = 401
-    error_type = "authentication_error"
+    error_type = "invalid_request_error"  # OpenAI's type for a missing or wrong key
     default_code = "invalid_api_key"
 
 

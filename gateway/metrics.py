@@ -33,6 +33,7 @@ class RequestRecord:
     route: str | None = None
     digest: str | None = None
     response_id: str | None = None  # the ``id`` in the response body (``chatcmpl-...``, ``resp_...``)
+    engine_id: str | None = None  # the engine's request id, in its own log lines and vLLM's
     stream: bool = False
     status: int = 0
     prompt_tokens: int = 0
@@ -46,7 +47,7 @@ class RequestRecord:
 
     def attach(self, gen: Any, stream: bool) -> None:
         self.generation = gen
-        self.response_id = gen.id
+        self.response_id = self.engine_id = gen.id
         self.route = gen.route.name
         self.digest = gen.route.digest
         self.stream = stream
@@ -82,6 +83,8 @@ class RequestRecord:
             "duration_ms": round((now - self.started) * 1000, 2),
             "client_disconnected": self.disconnected,
         }
+        if self.engine_id is not None and self.engine_id != self.response_id:  # /v1/responses
+            fields["engine_request_id"] = self.engine_id
         if self.error is not None:
             fields["error"] = self.error
         if self.prompt is not None:

@@ -103,14 +103,14 @@ def _parse(body: bytearray, model: type[M]) -> M:
     try:
         # Decoded strictly first: json.loads(bytes) decodes with "surrogatepass", so a lone
         # surrogate sent as raw (CESU-8) bytes would pass through and fail in the tokenizer.
-        data = json.loads(
-            body.decode(json.detect_encoding(body)), parse_float=_finite, parse_constant=_not_json
-        )
+        text = body.decode(json.detect_encoding(body))
+        data = json.loads(text, parse_float=_finite, parse_constant=_not_json)
     except (ValueError, RecursionError):  # ValueError: also bad UTF-8; RecursionError: deep nesting
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
-    if _ESCAPED_SURROGATE.search(body) is not None:  # rare: only then walk the strings
+    # Searched in the text, not the bytes: a UTF-16 or UTF-32 body's escapes are not ASCII.
+    if _ESCAPED_SURROGATE.search(text) is not None:  # rare: only then walk the strings
         try:
             where = _lone_surrogate(data, "")
         except RecursionError:
@@ -125,7 +125,7 @@ def _parse(body: bytearray, model: type[M]) -> M:
         raise invalid_request(exc) from None
 
 
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _lone_surrogate(value: Any, where: str) -> str | None:

@@ -48,7 +48,7 @@ def test_public_paths_need_no_key(gateway: LiveGateway) -> None:
 def test_everything_else_needs_a_key(gateway: LiveGateway, path: str) -> None:
     r = httpx.get(gateway.url + path)
     assert r.status_code == 401
-    assert r.json()["error"]["type"] == "authentication_error"
+    assert r.json()["error"]["type"] == "invalid_request_error"  # as OpenAI
     assert r.headers["www-authenticate"] == "Bearer"
 
 

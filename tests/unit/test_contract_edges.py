@@ -103,6 +103,22 @@ async def test_a_lone_surrogate_in_raw_bytes_is_a_400(serve: Serve) -> None:
     assert r.json()["error"]["message"] == "request body is not valid JSON"
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-32-be"])
+async def test_a_lone_surrogate_in_a_utf16_or_utf32_body_is_a_400(serve: Serve, encoding: str) -> None:
+    """JSON may come in UTF-16 or UTF-32 (``json.detect_encoding``), where the escape is not
+    the ASCII bytes ``\\ud8``. Echoed from a schema kept as sent, it failed to encode (500)."""
+    served = await serve()
+    raw = (
+        '{"model": "fake-model", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x",'
+        ' "schema": {"type": "object", "description": "\\ud800"}}}}'
+    )
+    r = await served.http.post(
+        "/v1/responses", content=raw.encode(encoding), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "text.format.schema.description"
+
+
 async def test_a_surrogate_pair_is_text(serve: Serve) -> None:
     served = await serve()
     raw = '{"model":"base","messages":[{"role":"user","content":"\\ud83d\\ude00 and \\\\ud800"}]}'

@@ -65,7 +65,7 @@ async def test_everything_else_needs_a_key(serve: Serve, path: str) -> None:
     served = await serve()
     r = await served.http.get(path, headers=NO_KEY)
     err = assert_openai_error(r, 401, "invalid_api_key")
-    assert err["type"] == "authentication_error"
+    assert err["type"] == "invalid_request_error"  # as OpenAI
     assert r.headers["www-authenticate"] == "Bearer"
 
 
@@ -923,6 +923,9 @@ async def test_the_access_log_names_the_id_the_response_body_carries(
         r = await served.http.post(path, json=body, headers={"x-request-id": "client-1"})
     access = [json.loads(m.getMessage()) for m in caplog.records if m.name == "gateway.access"]
     assert [(a["request_id"], a["response_id"]) for a in access] == [("client-1", r.json()["id"])]
+    # The engine's own lines (an abort, an error) name its request id: the access line must too.
+    engine_id = access[0].get("engine_request_id", access[0]["response_id"])
+    assert engine_id.startswith("cmpl-" if path == "/v1/completions" else "chatcmpl-")
 
 
 @pytest.mark.parametrize(("prompts", "n"), [(["ab"], 2), (["ab", "cd", "ef"], 1), (["ab", "cd"], 2)])
