@@ -7,12 +7,13 @@ loads: ``adapter_model.safetensors`` (shapes from its header, no tensor read), e
 rather than read where the file is in torch's zip format).
 
 Compatibility is judged by the weights, not by names: every ``lora_A``/``lora_B`` tensor
-must target a module the model has, with shapes that fit it (``lora_A`` is ``[r, in]``,
-``lora_B`` is ``[out, r]`` for a module of weight ``[out, in]``) at the module's rank (``r``,
-or its ``rank_pattern`` entry, matched as PEFT and vLLM match it). A module whose weight the
-checkpoint stores quantized has no dense shape in its header: only that it exists is checked
-here, and vLLM checks the shapes when it loads the adapter. The base model named in
-``adapter_config.json`` is only a warning unless the entry asks for ``strict_base_model``.
+must have its other half and target a module the model has, with shapes that fit it
+(``lora_A`` is ``[r, in]``, ``lora_B`` is ``[out, r]`` for a module of weight ``[out, in]``)
+at the module's rank (``r``, or its ``rank_pattern`` entry, matched as PEFT and vLLM match
+it). A module whose weight the checkpoint stores quantized has no dense shape in its
+header: only that it exists is checked here, and vLLM checks the shapes when it loads the
+adapter. The base model named in ``adapter_config.json`` is only a warning unless the entry
+asks for ``strict_base_model``.
 """
 
 from __future__ import annotations
@@ -324,6 +325,20 @@ def _check_tensors(
                 f"{adapter}: tensor {name} has shape {shape}, expected {fits} "
                 f"(the model's {module_key(m['module'])} is [{out_features}, {in_features}])"
             )
+    _check_pairs(adapter, tensors)
+
+
+def _check_pairs(adapter: str, tensors: dict[str, list[int]]) -> None:
+    """Every module has both halves: vLLM registers an adapter with one missing, then fails
+    an assertion when it first activates it, inside the engine step (the engine dies)."""
+    halves: dict[str, dict[str, str]] = {}
+    for name in sorted(tensors):
+        if (m := _LORA_TENSOR.match(name)) is not None:
+            halves.setdefault(m["module"], {})[m["ab"]] = name
+    for found in halves.values():
+        if len(found) == 1:
+            ((ab, name),) = found.items()
+            raise ConfigError(f"{adapter}: tensor {name} has no lora_{'B' if ab == 'A' else 'A'}")
 
 
 # (folder, its files' stat) -> digest: a reload rereads only the adapters whose files changed

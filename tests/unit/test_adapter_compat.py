@@ -141,6 +141,21 @@ def test_a_tensor_for_a_module_the_model_lacks_is_rejected(tmp_path: Path, gemma
         check_adapter(path, 16, EMBEDDED_NAME, gemma)
 
 
+@pytest.mark.parametrize("half, other", [("lora_A", "lora_B"), ("lora_B", "lora_A")])
+def test_a_module_with_one_half_of_its_lora_pair_is_rejected(tmp_path: Path, half: str, other: str) -> None:
+    """vLLM registers such an adapter, then fails an assertion when it first activates it,
+    inside the engine step: the engine dies. The registration check refuses it."""
+    path = copy_adapter(tmp_path)
+    weights = path / "adapter_model.safetensors"
+    tensors = {name: np.zeros(shape, dtype=np.float32) for name, shape in tensor_shapes(weights).items()}
+    module = "base_model.model.model.layers.3.self_attn.o_proj"
+    del tensors[f"{module}.{other}.weight"]
+    save_file(tensors, str(weights))
+    with pytest.raises(ConfigError) as raised:
+        check_adapter(path, 16, EMBEDDED_NAME, None)  # no model needed: the pair is the adapter's own
+    assert str(raised.value) == f"shout: tensor {module}.{half}.weight has no {other}"
+
+
 def test_the_tensor_rank_must_match_the_config(tmp_path: Path, gemma: ModelShapes) -> None:
     path = copy_adapter(tmp_path, r=4)  # the tensors are rank 8
     with pytest.raises(ConfigError, match=r"has rank 8 \(shape \[8, 640\]\), expected rank 4"):
