@@ -201,9 +201,11 @@ def check_adapter(
     *,
     strict_base_model: bool = False,
     label: str | None = None,
+    model_names: tuple[str, ...] = (),
 ) -> AdapterInfo:
     """``label`` names the adapter in errors (default: its folder's name; a copy's folder is
-    named by its digest)."""
+    named by its digest). ``model_names``: what else the served model is known by (its path
+    or repo id), since ``base_name`` may be an alias."""
     name = label or path.name
     if not (path / "adapter_config.json").is_file():
         raise ConfigError(f"{name}: missing adapter_config.json")
@@ -225,13 +227,19 @@ def check_adapter(
     _check_tensors(name, tensors, model, rank, max_lora_rank, ranks)
     warnings: list[str] = []
     base = str(config.get("base_model_name_or_path") or "")
-    if base and base != base_name and Path(base).name not in (base_name, Path(base_name).name):
+    if base and not _same_model(base, (base_name, *model_names)):
         message = f"trained for base model '{base}', this engine serves '{base_name}'"
         if strict_base_model:
             raise ConfigError(f"{name}: {message} (strict_base_model)")
         why = "because its weights fit the model" if model is not None else "(no model here to check it)"
         warnings.append(f"{message}; accepted {why}")
     return AdapterInfo(config, rank, tuple(warnings))
+
+
+def _same_model(base: str, names: tuple[str, ...]) -> bool:
+    """``base`` names one of ``names``: the same string, or the same last path part
+    (``google/gemma-3-270m`` and ``/data/gemma-3-270m`` are ``gemma-3-270m``)."""
+    return any(base == name or Path(base).name in (name, Path(name).name) for name in names if name)
 
 
 def _read_config(adapter: str, config: object) -> tuple[int, list[str] | str, dict[str, int]]:

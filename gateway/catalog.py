@@ -138,10 +138,13 @@ def load_table(
     model_modules: ModelShapes | None,
     lora_ids: LoraIds,
     snapshots: SnapshotDir | None = None,
+    model_names: tuple[str, ...] = (),
 ) -> RoutingTable:
     """Build a table from the catalog file. A broken file raises ``ConfigError``;
     a broken entry is left out and reported in ``table.errors``. With ``snapshots``, the
-    engine is given a content-addressed copy of each adapter (``gateway.snapshots``)."""
+    engine is given a content-addressed copy of each adapter (``gateway.snapshots``).
+    ``model_names``: the served model's path or repo id, which an adapter's base model may
+    name instead of ``base_name`` (``check_adapter``)."""
     loaded_at = time.time()
     spec = _read_spec(catalog_path)
     base = Route(
@@ -198,7 +201,14 @@ def load_table(
             if clash:
                 raise ConfigError(f"task already used: {', '.join(sorted(clash))}")
             route = _build_route(
-                entry, adapters_root, max_lora_rank, base_name, model_modules, lora_ids, catalog_path.parent
+                entry,
+                adapters_root,
+                max_lora_rank,
+                base_name,
+                model_names,
+                model_modules,
+                lora_ids,
+                catalog_path.parent,
             )
             if snapshots is not None and route.lora is not None:
                 recheck = partial(
@@ -207,6 +217,7 @@ def load_table(
                     base_name=base_name,
                     model=model_modules,
                     strict_base_model=entry.strict_base_model,
+                    model_names=model_names,
                 )
                 route = _on_snapshot(route, snapshots, lora_ids, recheck)
         except (ConfigError, ValidationError, OSError) as exc:  # OSError: files that changed mid-check
@@ -290,6 +301,7 @@ def _build_route(
     adapters_root: Path,
     max_lora_rank: int,
     base_name: str,
+    model_names: tuple[str, ...],
     model_modules: ModelShapes | None,
     lora_ids: LoraIds,
     configs_dir: Path,
@@ -315,7 +327,12 @@ def _build_route(
         return Route(kind="preset", **common)
     path = safe_adapter_path(entry.adapter, adapters_root)
     info = check_adapter(
-        path, max_lora_rank, base_name, model_modules, strict_base_model=entry.strict_base_model
+        path,
+        max_lora_rank,
+        base_name,
+        model_modules,
+        strict_base_model=entry.strict_base_model,
+        model_names=model_names,
     )
     digest = adapter_digest(path)
     # The engine's LoRA name is the route name: vLLM reports running and waiting adapters

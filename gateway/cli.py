@@ -215,11 +215,11 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         base_name = settings.engine.served_model_name or EMBEDDED_NAME
         embedded = embedded_model_dir(settings.cache_dir / "models")
         modules = model_shapes(embedded) if is_prepared(embedded) else None
-        where = str(embedded)
+        where, model_names = str(embedded), (EMBEDDED_NAME,)
     else:
         base_name = settings.engine.served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
         modules = model_shapes(model)
-        where = model
+        where, model_names = model, (model,)
     if modules is None:  # as the gateway's start says it (state.py), not a silent pass
         print(
             f"NOTE: no safetensors weights of the model at {where}: adapters are checked without "
@@ -235,6 +235,7 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
         max_lora_rank=settings.engine.max_lora_rank,
         model_modules=modules,
         lora_ids=LoraIds(),
+        model_names=model_names,
     )
     for route in table.all_routes():
         detail = (

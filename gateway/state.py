@@ -28,6 +28,7 @@ from gateway.adapter_slots import (
 )
 from gateway.adapters_check import ModelShapes, model_shapes
 from gateway.catalog import Catalog, Lease, LoraIds, RoutingTable, adapter_dirs, check_file, load_table
+from gateway.embedded import EMBEDDED_NAME
 from gateway.engine import EngineManager
 from gateway.errors import ConfigError, EngineUnavailable, GatewayError
 from gateway.lora_scheduler import LoraScheduler
@@ -149,7 +150,16 @@ class Gateway:
             model_modules=self._model_shapes,
             lora_ids=ids,
             snapshots=self.snapshots,
+            model_names=self.model_names(),
         )
+
+    def model_names(self) -> tuple[str, ...]:
+        """What the served model is known by besides its served name (an alias, maybe): the
+        path or repo id it was loaded from, and the embedded model's own name."""
+        names = [self.engine.model_path or ""]
+        if self.settings.engine.model is None:
+            names.append(EMBEDDED_NAME)
+        return tuple(name for name in names if name)
 
     async def reload_catalog(self) -> bool:
         """Read the catalog again (the watcher, SIGHUP, the admin endpoint). Not while

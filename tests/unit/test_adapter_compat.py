@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,10 @@ from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.embedded import EMBEDDED_NAME, embedded_model_dir, is_prepared
 from gateway.errors import ConfigError
 from gateway.routes import model_cards
+from gateway.settings import GatewaySettings
 from gateway.snapshots import SnapshotDir
+from gateway.state import Gateway
+from tests.unit.fakes import FakeEngine
 
 SHIPPED = Path(__file__).resolve().parents[2] / "adapters"
 MODEL_DIR = embedded_model_dir(Path.home() / ".cache" / "gateway" / "models")
@@ -111,6 +115,38 @@ def test_strict_base_model_makes_the_name_a_rejection(tmp_path: Path, gemma: Mod
     assert t.routes == {}
     assert "trained for base model 'google/gemma-3-270m-it'" in t.errors["it"]
     assert "strict_base_model" in t.errors["it"]
+
+
+@pytest.mark.parametrize(
+    "model, model_path, trained_on",
+    [
+        ("/models/gemma-3-270m-it", "/models/gemma-3-270m-it", "google/gemma-3-270m-it"),
+        (None, str(MODEL_DIR), EMBEDDED_NAME),  # the embedded model, by its own name
+    ],
+    ids=["model-path", "embedded"],
+)
+def test_a_base_model_served_under_an_alias_matches_by_its_path(
+    make_settings: Callable[..., GatewaySettings],
+    model: str | None,
+    model_path: str,
+    trained_on: str,
+) -> None:
+    """Served as ``base``: the adapter names the model it was loaded from, not the alias.
+    Strict, it is accepted; not strict, no warning says it was trained for another model."""
+    settings = make_settings(**({"engine__model": model} if model else {}))
+    for name in ("shout", "json"):
+        config = settings.adapters_root / name / "adapter_config.json"
+        config.write_text(
+            json.dumps(json.loads(config.read_text()) | {"base_model_name_or_path": trained_on})
+        )
+    settings.catalog.write_text(
+        "routes:\n  - {name: shout, adapter: shout, strict_base_model: true}\n  - {name: json, adapter: json}\n"
+    )
+    engine = FakeEngine(served_model_name="base")
+    engine.model_path = model_path
+    t = Gateway(settings, engine).build_table(LoraIds())
+    assert t.errors == {}
+    assert t.routes["shout"].warnings == () and t.routes["json"].warnings == ()
 
 
 def test_a_shape_mismatch_names_the_tensor_its_shape_and_the_expected_one(

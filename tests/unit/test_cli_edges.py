@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import cli
 from gateway.cli import _overrides, build_parser
 from gateway.settings import GatewaySettings, load_settings
-from tests.unit.conftest import ADMIN, Serve
+from tests.unit.conftest import ADMIN, BASE, Serve, make_adapter
 
 REAL_CLIENT = httpx.Client
 
@@ -177,3 +177,22 @@ def test_adapters_commands_take_only_the_flags_they_read(capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         build_parser().parse_args(["adapters", "list", "--port", "9"])
     assert "unrecognized arguments: --port 9" in capsys.readouterr().err
+
+
+def test_adapters_validate_matches_a_strict_base_model_by_the_model_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--served-model-name base``: an adapter trained on google/gemma-3-270m-it is for the
+    model at /models/gemma-3-270m-it, as the gateway itself judges it."""
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    make_adapter(tmp_path / "adapters", "shout")
+    config = tmp_path / "adapters" / "shout" / "adapter_config.json"
+    config.write_text(config.read_text().replace(BASE, "google/gemma-3-270m-it"))
+    (tmp_path / "c.yaml").write_text("routes:\n  - {name: shout, adapter: shout, strict_base_model: true}\n")
+    argv = ["--model", "/models/gemma-3-270m-it", "--served-model-name", "base"]
+    argv += ["--catalog", str(tmp_path / "c.yaml"), "--adapters-root", str(tmp_path / "adapters")]
+    rc = cli.main(["adapters", "validate", *argv])
+    out, err = capsys.readouterr()
+    assert (rc, out.splitlines()[-1]) == (0, "catalog OK"), err
+    assert "WARNING" not in err and "REJECTED" not in err
