@@ -117,6 +117,12 @@ def weights_file(path: Path, label: str) -> Path:
     return found
 
 
+def engine_files(path: Path) -> tuple[str, str]:
+    """The files of an adapter vLLM reads: ``adapter_config.json`` and the weights file it
+    loads. Its digest covers them, and its copy holds them and nothing else."""
+    return ("adapter_config.json", weights_file(path, path.name).name)
+
+
 def tensor_shapes(file: Path, label: str | None = None) -> dict[str, list[int]]:
     """Tensor name -> shape: from the safetensors header (no tensor is loaded), or from a
     ``torch.save``d dict of tensors. ``label`` names the adapter in errors (default: the
@@ -358,7 +364,7 @@ _DIGESTS_KEPT = 4096
 def adapter_digest(path: Path) -> str:
     """The adapter's content digest. A file removed or replaced since it was checked is the
     entry's ``ConfigError``, not the whole catalog's failure."""
-    digested = ("adapter_config.json", weights_file(path, path.name).name)
+    digested = engine_files(path)
     stats = []
     for name in digested:
         try:

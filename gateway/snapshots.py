@@ -3,7 +3,8 @@
 vLLM reads an adapter's files again when an evicted adapter is used, and keys its prefix
 cache by (LoRA name, path). Files edited in place must therefore never be read under an
 old id or name: the engine is given a copy named by its content digest, so a LoRA id
-always means the same bytes.
+always means the same bytes. The copy holds only the files vLLM reads (the config and the
+weights): not a trainer's checkpoints, nor links that do not resolve here.
 
 Each gateway process copies into a directory of its own, locked (``flock``) while the
 process lives, so gateways sharing a cache directory never delete each other's copies;
@@ -19,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-from gateway.adapters_check import adapter_digest
+from gateway.adapters_check import adapter_digest, engine_files
 
 _LOCK = ".lock"
 
@@ -43,7 +44,8 @@ class SnapshotDir:
             return target, digest
         staging = Path(tempfile.mkdtemp(prefix=".copy-", dir=self.path))
         try:
-            shutil.copytree(adapter, staging, dirs_exist_ok=True, symlinks=False)
+            for name in engine_files(adapter):
+                shutil.copyfile(adapter / name, staging / name)
             digest = adapter_digest(staging)  # the bytes copied, if the files moved meanwhile
             target = self.path / digest
             with contextlib.suppress(OSError):  # the same bytes were copied meanwhile

@@ -259,9 +259,11 @@ async def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None
     first = live.table.routes["shout"]
     assert first.lora is not None and first.digest is not None
     assert first.lora.path == str(snapshots.path / first.digest) and first.lora.name == "shout"
-    assert sorted(p.name for p in Path(first.lora.path).iterdir()) == sorted(
-        p.name for p in original.iterdir()
-    )
+    assert "manifest.json" in {p.name for p in original.iterdir()}  # the engine reads it not: no copy
+    assert sorted(p.name for p in Path(first.lora.path).iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     (original / "adapter_config.json").write_text((SHIPPED / "json" / "adapter_config.json").read_text())
     weights = (SHIPPED / "json" / "adapter_model.safetensors").read_bytes()
     (original / "adapter_model.safetensors").write_bytes(weights)  # in place, same path
@@ -273,6 +275,28 @@ async def test_the_engine_loads_a_content_addressed_copy(tmp_path: Path) -> None
     assert {p.name for p in snapshots.path.iterdir()} == {first.digest, second.digest, ".lock"}  # no staging
     snapshots.close()
     assert not snapshots.path.exists()  # the process's copies go with it
+
+
+def test_the_copy_takes_only_the_files_the_engine_reads(tmp_path: Path) -> None:
+    """A trainer's output folder holds checkpoints (many times the adapter's size, copied
+    again for each version) and links that need not resolve here (``runs -> /scratch/...``,
+    which failed the whole copy: a valid adapter rejected)."""
+    original = copy_adapter(tmp_path)
+    (original / "runs").symlink_to("/scratch/tensorboard/run-17")  # not on this host
+    (original / "checkpoint-500").mkdir()
+    (original / "checkpoint-500" / "optimizer.pt").write_bytes(b"\0" * 1024)
+    snapshots = SnapshotDir(tmp_path / "cache" / "adapters")
+    try:
+        t = table(tmp_path, None, "  - {name: shout, adapter: shout}\n", snapshots=snapshots)
+        assert t.errors == {}
+        lora = t.routes["shout"].lora
+        assert lora is not None and Path(lora.path).parent == snapshots.path
+        assert sorted(p.name for p in Path(lora.path).iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+    finally:
+        snapshots.close()
 
 
 def test_files_changed_between_the_check_and_the_copy_are_checked_in_the_copy(
