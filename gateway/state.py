@@ -43,6 +43,8 @@ from gateway.watcher import CatalogWatcher
 
 log = logging.getLogger(__name__)
 
+WATCHER_RETRY_S = 5.0  # a catalog watcher that failed starts again after this long
+
 
 class Gateway:
     def __init__(self, settings: GatewaySettings, engine: Engine | None = None) -> None:
@@ -91,16 +93,7 @@ class Gateway:
             self.exit_code = 2 if isinstance(exc, ConfigError) else 1
             self.request_exit()
             return
-        assert self.catalog is not None
-        watcher = CatalogWatcher(
-            self.settings.catalog,
-            self.settings.adapters_root,
-            self.catalog,
-            self.reload_catalog,
-            self.settings.catalog_poll_s,
-            self.reload_now,
-        )
-        await asyncio.gather(watcher.run(), self.watch_engine(), self.watch_residency())
+        await asyncio.gather(self.watch_catalog(), self.watch_engine(), self.watch_residency())
 
     async def start(self) -> None:
         try:
@@ -242,6 +235,25 @@ class Gateway:
             self.scheduler.close()
         if self.snapshots is not None:
             self.snapshots.close()
+
+    async def watch_catalog(self) -> None:
+        """Hot swap and SIGHUP (``CatalogWatcher``). A failure is logged and the watcher starts
+        again: out of ``run``, it would end the engine supervisor beside it."""
+        assert self.catalog is not None
+        while True:
+            try:
+                watcher = CatalogWatcher(
+                    self.settings.catalog,
+                    self.settings.adapters_root,
+                    self.catalog,
+                    self.reload_catalog,
+                    self.settings.catalog_poll_s,
+                    self.reload_now,
+                )
+                await watcher.run()
+            except Exception:
+                log.exception("the catalog watcher failed; starting it again in %g s", WATCHER_RETRY_S)
+                await asyncio.sleep(WATCHER_RETRY_S)
 
     async def watch_engine(self, interval: float = 0.5) -> None:
         """Engine death ends the process (non-zero), after open streams got their error event."""

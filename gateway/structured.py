@@ -700,7 +700,7 @@ def schema_watch_paths(value: str, configs_dir: Path) -> tuple[Path, ...]:
     named is followed when nothing is read too (a link in a loop or out of the catalog's
     folder: re-pointing it is the fix), as long as it names a place in the folder. Watching
     reads no file: the rule on reads stays ``schema_file_path``'s."""
-    if not value.startswith("file:"):
+    if not value.startswith("file:") or "\0" in value:  # a NUL byte names no file
         return ()
     root = configs_dir.absolute()
     named = Path(os.path.normpath(root / _named(value)))

@@ -59,7 +59,7 @@ class WatchPlan:
         """``files``: more files to watch, as the catalog file (its ``file:`` schemas)."""
         wanted = [(catalog_path.parent, catalog_path.name), (adapters_root.parent, adapters_root.name)]
         wanted += [(path.parent, path.name) for path in sorted(files)]
-        with suppress(OSError, RuntimeError):  # RuntimeError: a symlink loop (Python 3.11)
+        with suppress(OSError, RuntimeError, ValueError):  # a symlink loop (3.11); a NUL byte
             target = catalog_path.resolve()
             wanted.append((target.parent, target.name))
         folders: dict[Path, frozenset[str]] = {}
@@ -71,17 +71,18 @@ class WatchPlan:
                 first = first_by_inode.setdefault(inode, folder)
                 folders[first] = folders.get(first, frozenset()) | {name}
         root: Path | None = None
-        with suppress(OSError, RuntimeError):
+        with suppress(OSError, RuntimeError, ValueError):
             root = adapters_root.resolve()
         root_inode = _dir_inode(root) if root is not None else None
         return cls(folders, root if root_inode else None, (*first_by_inode, root_inode))
 
 
 def _dir_inode(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of a directory; None if ``path`` is not one (or cannot be read)."""
+    """(device, inode) of a directory; None if ``path`` is not one (or cannot be read, or
+    has a NUL byte: ValueError, not OSError)."""
     try:
         st = path.stat()
-    except OSError:
+    except (OSError, ValueError):
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
@@ -142,12 +143,12 @@ class CatalogWatcher:
         # watchfiles logs "N changes detected" at INFO; the watch logs the relevant files.
         logging.getLogger("watchfiles.main").setLevel(logging.WARNING)
         while True:
-            self.plan = self.plan_now()
-            if self.plan.root is None:
-                log.warning(
-                    "adapters root %s does not exist: adapter files are not watched", self.adapters_root
-                )
-            try:
+            try:  # the plan too: an error out of this loop would end file watching for good
+                self.plan = self.plan_now()
+                if self.plan.root is None:
+                    log.warning(
+                        "adapters root %s does not exist: adapter files are not watched", self.adapters_root
+                    )
                 await self.watch_plan(self.plan)
             except Exception:  # a folder gone while its watch was set up: the next plan sees it
                 log.exception("watching the catalog files failed; watching again in 1 s")
@@ -215,7 +216,7 @@ class CatalogWatcher:
         since = read_at - 1.0
         paths = [self.catalog_path, self.adapters_root]  # links, and what they point to below
         paths += self.catalog.table.files
-        with suppress(OSError, RuntimeError):
+        with suppress(OSError, RuntimeError, ValueError):
             paths.append(self.catalog_path.resolve())
         with suppress(OSError):
             paths += [p for p in self.catalog_path.parent.iterdir() if p.name.startswith("..")]
@@ -225,7 +226,7 @@ class CatalogWatcher:
         for path in paths:
             try:
                 st = path.lstat()
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL byte in the path
                 continue
             if max(st.st_mtime, st.st_ctime) > since:
                 return str(path)

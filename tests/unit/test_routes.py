@@ -15,9 +15,11 @@ from unittest.mock import AsyncMock
 
 import pytest
 
+from gateway import state
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from gateway.types import LoraSpec
+from gateway.watcher import CatalogWatcher
 from tests.helpers import (
     assert_openai_error,
     chat_body,
@@ -212,6 +214,44 @@ async def test_a_failed_start_asks_the_server_to_exit_with_one_log_line(
         "startup failed: the engine could not start: ValueError: dtype Input should be 'auto'"
     ]
     assert errors[0].exc_info is None  # no traceback for what is mostly a refused setting
+
+
+async def test_a_nul_in_a_schema_path_at_start_leaves_the_engine_supervised(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """``response_format: "file:a\\0b/c.json"`` rejects its entry; the path (ValueError, not
+    OSError) also ended ``Gateway.run`` at the watcher's start: no hot swap, and no
+    ``watch_engine``, so an engine death went unnoticed (no drain, no exit)."""
+    (tmp_path / "adapters.yaml").write_text(
+        CATALOG + '  - {name: odd, system_prompt: x, response_format: "file:a\\0b/c.json"}\n'
+    )
+    served = await serve()
+    assert "odd" in served.gw.catalog_or_503().table.errors
+    served.engine.fail()
+    await eventually_async(lambda: served.gw.admission.draining, 5, "the supervisor drains after the death")
+
+
+async def test_a_failed_catalog_watcher_starts_again_and_the_engine_stays_supervised(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher runs beside the engine supervisor in ``Gateway.run``: its failure must end
+    neither (it ended both, for good)."""
+    made: list[CatalogWatcher] = []
+
+    class FailsFirst(CatalogWatcher):
+        def __init__(self, *args: Any) -> None:
+            if not made:
+                made.append(self)
+                raise ValueError("embedded null byte")
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(state, "CatalogWatcher", FailsFirst)
+    monkeypatch.setattr(state, "WATCHER_RETRY_S", 0.05, raising=False)
+    served = await serve()
+    await eventually_async(lambda: len(made) == 2, 5, "the watcher started again")
+    served.engine.fail()
+    await eventually_async(lambda: served.gw.admission.draining, 5, "the supervisor drains after the death")
 
 
 async def test_engine_death_health_503_requests_503_and_open_streams_get_an_error_event(serve: Serve) -> None:

@@ -180,6 +180,14 @@ def test_a_schema_link_is_watched_whatever_it_points_to(tmp_path: Path, target: 
     assert schema_watch_paths("file:schemas/../../outside.json", tmp_path) == ()
 
 
+def test_a_schema_path_with_a_nul_byte_is_rejected_and_not_watched(tmp_path: Path) -> None:
+    """It names no file; the file system calls that watch a path raise ValueError for it,
+    not OSError, where a missing file's would be handled."""
+    with pytest.raises(ConfigError, match="embedded null byte"):
+        route_constraint("file:a\0b/c.json", tmp_path)
+    assert schema_watch_paths("file:a\0b/c.json", tmp_path) == ()
+
+
 def test_choose_request_wins_on_a_route_that_does_not_enforce() -> None:
     route = Constraint("json", SCHEMA)
     asked = Constraint("regex", "a+")

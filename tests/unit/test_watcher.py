@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from watchfiles import Change
@@ -27,20 +28,34 @@ routes:
 """
 
 
+def write_release(root: Path, catalog_path: Path, catalog: str = CATALOG) -> None:
+    """Shout and a broken adapter under ``root``; ``catalog`` (naming them) at ``catalog_path``."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(SHIPPED / "shout", root / "shout")
+    shutil.copytree(SHIPPED / "shout", root / "broken")
+    (root / "broken" / "adapter_config.json").write_text("{not json")
+    catalog_path.parent.mkdir(parents=True, exist_ok=True)
+    catalog_path.write_text(catalog)
+
+
 class Rig:
     """An adapters root (``tmp_path/adapters`` unless given; it may be a link) with shout and
     a broken adapter, and a catalog file (``tmp_path/conf/adapters.yaml`` unless given; it
-    may be a link) naming them and ``later``."""
+    may be a link) naming them and ``later`` (or ``catalog``). ``written``: the files are
+    there already."""
 
-    def __init__(self, tmp_path: Path, root: Path | None = None, catalog_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        root: Path | None = None,
+        catalog_path: Path | None = None,
+        catalog: str = CATALOG,
+        written: bool = False,
+    ) -> None:
         self.root = root or tmp_path / "adapters"
-        self.root.mkdir(exist_ok=True)
-        shutil.copytree(SHIPPED / "shout", self.root / "shout")
-        shutil.copytree(SHIPPED / "shout", self.root / "broken")
-        (self.root / "broken" / "adapter_config.json").write_text("{not json")
         self.catalog_path = catalog_path or tmp_path / "conf" / "adapters.yaml"
-        self.catalog_path.parent.mkdir(exist_ok=True)
-        self.catalog_path.write_text(CATALOG)
+        if not written:
+            write_release(self.root, self.catalog_path, catalog)
         self.reloads = 0
         self.catalog = Catalog(self.build)
         self.reload_now = asyncio.Event()
@@ -65,9 +80,9 @@ class Rig:
 
 @asynccontextmanager
 async def watching(
-    tmp_path: Path, before: Callable[[Rig], None] | None = None, **layout: Path
+    tmp_path: Path, before: Callable[[Rig], None] | None = None, **layout: Any
 ) -> AsyncIterator[Rig]:
-    """A rig (``layout``: its root or catalog path) with its watcher running (in the test's
+    """A rig (``layout``: its root, catalog path, ...) with its watcher running (in the test's
     own event loop); ``before(rig)`` runs after the catalog was read and before the watch starts."""
     rig = Rig(tmp_path, **layout)
     # The rig wrote its files just now: count them as read (the watcher allows a second of
@@ -358,3 +373,39 @@ def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
     assert relevant(Change.added, str(rig.root))  # the root replaced, or a root link swapped
     assert not relevant(Change.modified, str(conf / "schema.json"))  # named by no entry
     assert not relevant(Change.added, str(rig.root.parent / "adapters.new"))
+
+
+NUL_SCHEMA = '  - {name: odd, system_prompt: x, response_format: "file:a\\0b/c.json"}\n'
+
+
+def watcher_failures(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "gateway.watcher" and r.exc_info]
+
+
+async def test_a_nul_in_a_file_schema_path_at_start_does_not_stop_the_watch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NUL byte in a path is ValueError, not OSError: the watcher's first plan raised (in
+    ``Gateway.run``, which ended), and its check of file times failed every round, so a fix
+    in place was missed."""
+    async with watching(tmp_path, catalog=CATALOG + NUL_SCHEMA) as rig:
+        assert "odd" in rig.catalog.table.errors
+        fix_broken(rig.root)
+        assert await within(3.0, lambda: "broken" in rig.catalog.table.routes)
+        rig.catalog_path.write_text(CATALOG + "  - {name: concise, system_prompt: Be brief.}\n")
+        assert await within(3.0, lambda: "concise" in rig.catalog.table.routes)
+    assert watcher_failures(caplog) == []
+
+
+async def test_a_nul_in_a_file_schema_path_added_by_an_edit_does_not_stop_the_watch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The plan made at the top of the watch loop raised out of it: file watching ended
+    silently, and every later edit (the one removing the entry too) was missed."""
+    async with watching(tmp_path) as rig:
+        rig.catalog_path.write_text(CATALOG + NUL_SCHEMA)
+        assert await within(3.0, lambda: "odd" in rig.catalog.table.errors)
+        await asyncio.sleep(1.5)  # a round or two of the watch with the path in the table
+        rig.catalog_path.write_text(CATALOG + "  - {name: concise, system_prompt: Be brief.}\n")
+        assert await within(3.0, lambda: "concise" in rig.catalog.table.routes)
+    assert watcher_failures(caplog) == []
