@@ -11,7 +11,9 @@ The kernel watches directories (inodes), not paths, so ``WatchPlan`` names what 
 as the paths resolve now: the catalog's folder and, when the catalog file is a link, the
 folder it points into; the adapters root, recursively, and its parent (which sees a root
 link swapped to another release, or a root directory replaced whole). Every round (at
-least once a second) the plan is made again; when it differs, the watch is set up again.
+least once a second) the plan is made again; when it differs, the watch is set up again and
+the catalog reloaded: the paths lead to other files, which may be older than the last read
+(a release link rolled back), so their timestamps cannot tell.
 
 The notifications start after the catalog was read: each time they are set up, files
 changed since that read (by their timestamps) get a reload too, so no edit made while the
@@ -144,7 +146,11 @@ class CatalogWatcher:
         logging.getLogger("watchfiles.main").setLevel(logging.WARNING)
         while True:
             try:  # the plan too: an error out of this loop would end file watching for good
-                self.plan = self.plan_now()
+                plan = self.plan_now()
+                if plan != self.plan:  # set now, so a watch that fails to start loses no reload
+                    log.info("catalog files now lead elsewhere (adapters root %s): reloading", plan.root)
+                    self.reload_now.set()
+                self.plan = plan
                 if self.plan.root is None:
                     log.warning(
                         "adapters root %s does not exist: adapter files are not watched", self.adapters_root

@@ -375,6 +375,25 @@ def test_what_the_watcher_looks_at(tmp_path: Path) -> None:
     assert not relevant(Change.added, str(rig.root.parent / "adapters.new"))
 
 
+async def test_a_release_link_above_the_root_rolled_back_is_reloaded(tmp_path: Path) -> None:
+    """``current -> releases/N`` above both the adapters root and the catalog, re-pointed back
+    to an older release: the watch was set up again there, but its files are older than the
+    last read, so nothing reloaded and the newer release's adapters kept serving."""
+    releases, current = tmp_path / "releases", tmp_path / "current"
+    for n in ("1", "2"):
+        write_release(releases / n / "adapters", releases / n / "conf" / "adapters.yaml")
+    fix_broken(releases / "2" / "adapters")
+    current.symlink_to("releases/2")
+    time.sleep(1.1)  # the releases are older than the read (and its second of clock slack)
+    layout = {"root": current / "adapters", "catalog_path": current / "conf" / "adapters.yaml"}
+    async with watching(tmp_path, written=True, **layout) as rig:
+        assert "broken" in rig.catalog.table.routes and rig.reloads == 0
+        (tmp_path / "current.new").symlink_to("releases/1")
+        (tmp_path / "current.new").replace(current)  # ln -sfn releases/1 current: one rename
+        assert await within(3.0, lambda: "broken" in rig.catalog.table.errors)
+        assert rig.watcher.plan.root == (releases / "1" / "adapters").resolve()
+
+
 NUL_SCHEMA = '  - {name: odd, system_prompt: x, response_format: "file:a\\0b/c.json"}\n'
 
 
