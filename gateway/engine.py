@@ -516,6 +516,10 @@ def _translate(exc: Exception) -> GatewayError:
     except ImportError:  # vllm < 0.30 raises ValueError for bad requests
         pass
     if isinstance(exc, client_errors):
-        return InvalidRequest(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        parameter = getattr(exc, "parameter", None)  # vLLM's VLLMValidationError names the field
+        return InvalidRequest(
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            param=parameter if isinstance(parameter, str) else None,
+        )
     log.error("engine error: %s: %s", type(exc).__name__, exc)
     return EngineFailed("the engine failed to process the request")

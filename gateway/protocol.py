@@ -255,6 +255,12 @@ class SamplingFields(_Request):
             )
         if any(not -100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()):
             raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            # Choice i is seeded seed + i (vLLM's ParentRequest, and the greedy copies here):
+            # past int64 the engine core's seed array overflows.
+            raise InvalidRequest(
+                f"seed must be at most {INT64_MAX - self.n + 1} with n={self.n}", param="seed"
+            )
         best_of = (self.model_extra or {}).get("best_of")  # 1 asks nothing, but only for one choice
         if type(best_of) is int and best_of == 1 and self.n > 1:
             raise InvalidRequest("best_of must be at least n", param="best_of")  # as OpenAI

@@ -533,7 +533,12 @@ class ChatService:
         # (the prompt's KV blocks are shared through the prefix cache). Only at 0: vLLM raises
         # a temperature in (0, 0.01) to 0.01, which samples (choices seeded seed, seed + 1, ...).
         copies = sampling.n if sampling.n > 1 and sampling.temperature == 0 else 1
-        params = await self._prepare(replace(sampling, n=1) if copies > 1 else sampling, constraint_param)
+        try:
+            params = await self._prepare(replace(sampling, n=1) if copies > 1 else sampling, constraint_param)
+        except InvalidRequest as exc:  # vLLM's refusal names its own field: say the client's
+            ours = {"logprobs": logprobs_param, "prompt_logprobs": logprobs_param, "max_tokens": limit_param}
+            exc.param = ours.get(exc.param or "", exc.param)
+            raise
         resized = {sampling.max_tokens: params}  # checked once; the others differ in max_tokens only
         for budget in budgets.values():
             if budget not in resized:

@@ -59,6 +59,14 @@ def test_seed_at_the_int64_edges_is_accepted() -> None:
     assert chat(seed=2**63 - 1).seed == 2**63 - 1 and chat(seed=-(2**63)).seed == -(2**63)
 
 
+def test_a_seed_whose_later_choices_pass_int64_is_refused() -> None:
+    """Choice i is seeded seed + i (vLLM's parallel sampling): the engine core's int64
+    seed array overflows past the edge."""
+    assert refused(chat, seed=2**63 - 1, n=2) == "seed"
+    assert refused(completion, seed=2**63 - 2, n=3) == "seed"
+    assert chat(seed=2**63 - 2, n=2).seed == 2**63 - 2
+
+
 def test_echo_true_is_not_mistaken_for_one() -> None:
     assert refused(chat, echo=True) == "echo"
     assert chat(echo=False).model_extra == {"echo": False}

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from vllm.v1.serial_utils import MsgpackEncoder
 
+from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.engine import (
     EngineManager,
     LoraSlotsReport,
@@ -21,8 +22,11 @@ from gateway.engine import (
     one_grammar_backend,
 )
 from gateway.errors import EngineFailed, InvalidRequest
-from gateway.settings import EngineSettings
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.service import ChatService
+from gateway.settings import EngineSettings, LimitSettings
 from gateway.types import Constraint, ModelDefaults, SamplingSpec
+from tests.unit.fakes import FakeEngine
 
 # vLLM imports parts of itself lazily (``_translate``, the grammar backend), and those pull in
 # torch.jit, which warns: under filterwarnings=error the import would fail, and ``prepare``
@@ -495,3 +499,57 @@ def test_params_with_another_max_tokens_keep_the_rest() -> None:
     resized = _manager_on(object()).with_max_tokens(params, 4)
     assert (resized.max_tokens, params.max_tokens) == (4, 9)
     assert (resized.seed, resized.stop, resized.structured_outputs) == (3, ["x"], params.structured_outputs)
+
+
+def test_a_refusal_of_vllms_names_the_field_it_refuses(manager: tuple[EngineManager, _Checks]) -> None:
+    engine, _ = manager
+    engine._engine = _vllm_engine(max_logprobs=5)
+    with pytest.raises(InvalidRequest) as info:
+        engine.prepare(SamplingSpec(max_tokens=4, logprobs=10))
+    assert info.value.param == "logprobs"
+    with pytest.raises(InvalidRequest) as info:
+        engine.prepare(SamplingSpec(max_tokens=4, stop_token_ids=(5000,)))
+    assert info.value.param == "stop_token_ids"
+
+
+class _PreparedByVllm(FakeEngine):
+    """The fake engine with ``EngineManager.prepare``'s checks (vLLM's own) in front."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._manager = _manager_on(_vllm_engine(max_logprobs=5))
+
+    def prepare(self, sampling: SamplingSpec) -> Any:
+        self._manager.prepare(sampling)
+        return super().prepare(sampling)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 10},
+            "top_logprobs",
+        ),
+        ({"prompt": "Hi", "logprobs": 10}, "logprobs"),
+        ({"prompt": "Hi", "logprobs": 10, "echo": True, "max_tokens": 1}, "logprobs"),
+    ],
+)
+async def test_a_refusal_of_vllms_names_the_clients_field(body: dict[str, Any], param: str) -> None:
+    """The gateway's own cap on logprobs (20) is above this engine's (5): vLLM refuses it,
+    under its own name for the field (``prompt_logprobs`` for an echo)."""
+    table = RoutingTable(base=Route(name="base", kind="base"), routes={}, errors={})
+    service, catalog = (
+        ChatService(_PreparedByVllm(), LimitSettings(max_logprobs=20)),
+        Catalog(lambda ids: table),
+    )
+    with pytest.raises(InvalidRequest) as info:
+        if "messages" in body:
+            await service.chat(
+                ChatCompletionRequest.model_validate({"model": "base", **body}), catalog.acquire("base")
+            )
+        else:
+            await service.complete(
+                CompletionRequest.model_validate({"model": "base", **body}), catalog.acquire("base")
+            )
+    assert info.value.param == param
