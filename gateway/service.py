@@ -34,7 +34,7 @@ from gateway.protocol import (
 )
 from gateway.read_ahead import ReadAhead
 from gateway.settings import LimitSettings
-from gateway.structured import choose, describe, request_constraint
+from gateway.structured import TEXT, choose, describe, request_constraint
 from gateway.tokenizing import PromptTokenizer, TokenBound, token_bound
 from gateway.tools import (
     NO_TOOLS,
@@ -766,8 +766,9 @@ def _check_forced_calls(
     """Forced calls are generated under the tools' grammar. The answer is then a call, not
     text, so a structured output the request asks for (checked all the same, by the grammar
     backend too) shapes nothing, as with OpenAI, which takes both (instructor's
-    RESPONSES_TOOLS sends both). A route that enforces its format promises every answer
-    follows it: a forced call there is a 400."""
+    RESPONSES_TOOLS sends both). Plain text asked for by name (``TEXT``) is no grammar to
+    check. A route that enforces its format promises every answer follows it: a forced call
+    there is a 400."""
     choice = "'required'" if plan.mode == "required" else f"naming the function '{plan.named}'"
     asked, param = _asked(request, given, _TEXT_FORMAT)
     if route.enforce and route.response_format is not None:
@@ -776,7 +777,7 @@ def _check_forced_calls(
             f"which tool_choice {choice} would replace; use tool_choice 'auto' or 'none'",
             param="tool_choice",
         )
-    if asked is not None:
+    if asked is not None and asked != TEXT:
         try:
             grammar(asked)
         except InvalidRequest as exc:

@@ -298,6 +298,44 @@ async def test_an_unenforced_schema_is_a_400_on_the_field_it_came_from(
     assert info.value.param == param
 
 
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+@pytest.mark.parametrize("where", ["response_format", "text.format"])
+async def test_a_forced_call_beside_plain_text_asked_for_by_name_is_taken(
+    monkeypatch: pytest.MonkeyPatch, choice: Any, where: str
+) -> None:
+    """``response_format`` (or /v1/responses' ``text.format``) ``{"type": "text"}`` is no
+    grammar: it reached vLLM as an empty constraint, a 400 with vLLM's own message."""
+    from gateway.catalog import Catalog, Route, RoutingTable
+    from gateway.protocol import ChatCompletionRequest
+    from gateway.service import ChatService
+    from gateway.settings import LimitSettings
+    from gateway.structured import TEXT
+    from tests.unit.fakes import FakeTokenizer
+
+    # the backend takes the tools' grammar (the fake tokenizer is no model's, for xgrammar)
+    monkeypatch.setattr("gateway.engine_checks._verify_structured", lambda *args: None)
+    engine = _manager_on(_vllm_engine())
+    engine._tokenizer, engine._max_model_len = FakeTokenizer(), 1000
+    table = RoutingTable(base=Route(name="b", kind="base"), routes={}, errors={})
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": _TOOLS,
+        "tool_choice": choice,
+    }
+    if where == "response_format":
+        body["response_format"] = {"type": "text"}
+    request = ChatCompletionRequest.model_validate(body)
+    given = TEXT if where == "text.format" else None
+    gen = await ChatService(engine, LimitSettings()).chat(
+        request, Catalog(lambda ids: table).acquire(None), given
+    )
+    gen.close()
+    assert gen.sampling.constraint is not None and gen.sampling.constraint.kind == "json"  # the calls'
+
+
 async def test_a_refused_pin_keeps_the_engines_reason(caplog: pytest.LogCaptureFixture) -> None:
     """vLLM's utility call fails with a bare Exception: it read as 'the engine failed to
     process the request' on the route's rejection, which told the operator nothing."""
