@@ -329,7 +329,7 @@ def xgrammar_gap(schema: Any) -> str | None:
                     f"uses '{keyword}' (at {_at(where, keyword)}), which {_XGRAMMAR} does not enforce: "
                     "answers could break the schema"
                 )
-        problem = _siblings_gap(node, where, schema)
+        problem = _siblings_gap(node, where, schema) or _lookahead_gap(node, where)
         if problem is not None:
             return problem
         branches = node.get("oneOf")
@@ -434,6 +434,43 @@ def _siblings_gap(node: dict[str, Any], where: str, root: Any) -> str | None:
                 f"and {_XGRAMMAR} enforces 'required' only for declared properties: declare it"
             )
     return _refused_value(node, where)
+
+
+def _lookahead_gap(node: dict[str, Any], where: str) -> str | None:
+    """A lookahead in a ``pattern`` or a ``patternProperties`` key: xgrammar's JSON-schema
+    converter drops it (it logs that it is ignored), so answers need not match the pattern.
+    (A look-behind it refuses itself.)"""
+    pattern, keyed = node.get("pattern"), node.get("patternProperties")
+    found = [_at(where, "pattern")] if isinstance(pattern, str) and _has_lookahead(pattern) else []
+    if isinstance(keyed, dict):
+        found += [
+            f"{_at(where, 'patternProperties')}/{key.replace('~', '~0').replace('/', '~1')}"
+            for key in map(str, keyed)
+            if _has_lookahead(key)
+        ]
+    if not found:
+        return None
+    return (
+        f"has a lookahead ('(?=' or '(?!') in a regular expression (at {found[0]}), which {_XGRAMMAR} "
+        "does not enforce: answers could break the schema; write the pattern without it"
+    )
+
+
+def _has_lookahead(pattern: str) -> bool:
+    """Whether ``pattern`` opens a group with ``(?=`` or ``(?!`` (not escaped, not in a class)."""
+    escaped = in_class = False
+    for i, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(" and pattern[i + 1 : i + 3] in ("?=", "?!"):
+            return True
+    return False
 
 
 def _within_type(node: dict[str, Any], kind: str, root: Any) -> bool:

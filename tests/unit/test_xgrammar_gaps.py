@@ -225,3 +225,38 @@ def test_the_lowest_accepted_repetition_penalty_keeps_vllm_sampling_finite() -> 
     # sampler picks token 0, which the grammar refuses: finish_reason "error", a 500 (EngineFailed).
     assert torch.isfinite(probs).all(), (penalized, probs)
     assert random_sample(probs, {}).item() != 0
+
+
+# -- 11. a lookahead in a pattern: xgrammar's JSON-schema converter drops it, with a warning ------
+_DIGIT = "^(?=.*[0-9])[a-z0-9]{3}$"  # three letters or digits, at least one a digit
+
+
+@pytest.mark.parametrize(
+    ("schema", "witness", "at"),
+    [
+        ({"type": "string", "pattern": _DIGIT}, "abc", "properties/v/pattern"),
+        ({"type": "string", "pattern": "^(?!x)[a-z]$"}, "x", "properties/v/pattern"),
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^(?!x)[a-z]$": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+            {"x": 1},
+            "properties/v/patternProperties/^(?!x)[a-z]$",
+        ),
+    ],
+)
+async def test_a_lookahead_in_a_pattern_is_a_400(schema: dict[str, Any], witness: Any, at: str) -> None:
+    assert _xgr_accepts(schema, witness)
+    assert not jsonschema.Draft202012Validator(schema).is_valid(witness)
+    with pytest.raises(InvalidRequest) as info:
+        await _chat({"response_format": _fmt({"type": "object", "properties": {"v": schema}})})
+    assert f"lookahead ('(?=' or '(?!') in a regular expression (at {at})" in info.value.message
+    assert info.value.param == "response_format"
+
+
+@pytest.mark.parametrize("pattern", [r"^[(?=]+$", r"^\(?=$", r"^[\]](?:a)$", r"^a\\[(?!]$"])
+def test_what_only_looks_like_a_lookahead_passes(pattern: str) -> None:
+    # in a class, or after an escaped "(": literal characters, which xgrammar enforces
+    assert xgrammar_gap({"type": "string", "pattern": pattern}) is None
