@@ -29,6 +29,7 @@ import jsonschema
 from referencing import Registry
 
 from gateway.errors import ConfigError, InvalidRequest
+from gateway.schema_regex import check_meta_schema, has_lookahead
 from gateway.types import Constraint
 
 FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's, for a format's name (fullmatch)
@@ -283,7 +284,7 @@ def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
     if not isinstance(schema.get("$schema", ""), str):  # validator_for would fail parsing it as a URI
         return "$schema", "'$schema' must be a string (the dialect's URI)"
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        check_meta_schema(schema)  # its patterns ECMA-262, as JSON Schema has them
     except jsonschema.SchemaError as exc:
         return "/".join(str(p) for p in exc.path), exc.message
     return None
@@ -441,12 +442,12 @@ def _lookahead_gap(node: dict[str, Any], where: str) -> str | None:
     converter drops it (it logs that it is ignored), so answers need not match the pattern.
     (A look-behind it refuses itself.)"""
     pattern, keyed = node.get("pattern"), node.get("patternProperties")
-    found = [_at(where, "pattern")] if isinstance(pattern, str) and _has_lookahead(pattern) else []
+    found = [_at(where, "pattern")] if isinstance(pattern, str) and has_lookahead(pattern) else []
     if isinstance(keyed, dict):
         found += [
             f"{_at(where, 'patternProperties')}/{key.replace('~', '~0').replace('/', '~1')}"
             for key in map(str, keyed)
-            if _has_lookahead(key)
+            if has_lookahead(key)
         ]
     if not found:
         return None
@@ -454,23 +455,6 @@ def _lookahead_gap(node: dict[str, Any], where: str) -> str | None:
         f"has a lookahead ('(?=' or '(?!') in a regular expression (at {found[0]}), which {_XGRAMMAR} "
         "does not enforce: answers could break the schema; write the pattern without it"
     )
-
-
-def _has_lookahead(pattern: str) -> bool:
-    """Whether ``pattern`` opens a group with ``(?=`` or ``(?!`` (not escaped, not in a class)."""
-    escaped = in_class = False
-    for i, char in enumerate(pattern):
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif in_class:
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
-        elif char == "(" and pattern[i + 1 : i + 3] in ("?=", "?!"):
-            return True
-    return False
 
 
 def _within_type(node: dict[str, Any], kind: str, root: Any) -> bool:

@@ -44,6 +44,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
+from gateway.schema_regex import python_patterns
 from gateway.structured import schema_problem, schema_size_problem
 from gateway.types import Constraint
 
@@ -629,6 +630,8 @@ def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
 @lru_cache(maxsize=256)
 def _validator_for(text: str) -> jsonschema.protocols.Validator:
     schema = json.loads(text)
+    if "(?<" in text:  # an ECMA-262 named group, which Python's re spells (?P<
+        schema = python_patterns(schema)
     # An empty registry: a remote $ref is Unresolvable (no call), never fetched from here.
     return jsonschema.validators.validator_for(schema)(schema, registry=Registry())
 

@@ -268,6 +268,22 @@ def test_a_dialect_that_is_no_string_is_a_400(dialect: Any) -> None:
     assert info.value.param == "tools"
 
 
+@pytest.mark.parametrize("dialect", [{}, {"$schema": "http://json-schema.org/draft-07/schema#"}])
+def test_an_ecma_named_group_passes_the_meta_schema(dialect: dict[str, Any]) -> None:
+    # JSON Schema's regexes are ECMA-262: (?<y>...) is a named group there (Python's re
+    # spells it (?P<y>...)), and xgrammar enforces it; it was "not a 'regex'".
+    schema = {
+        **dialect,
+        "type": "object",
+        "properties": {"year": {"type": "string", "pattern": "^(?<y>[0-9]{4})-(?<m>[0-9]{2})$"}},
+        "patternProperties": {"^(?<p>x)-": {"type": "integer"}},
+    }
+    assert check_schema(schema, "response_format") == schema
+    for bad in ("^(?<y[0-9]$", "^(?<1>a)$", "^(?<y>a)(?<y>b)$", "^(?<y>a$"):
+        with pytest.raises(InvalidRequest, match="is not a 'regex'"):
+            check_schema({**dialect, "type": "string", "pattern": bad}, "response_format")
+
+
 # -- what xgrammar (the default grammar backend) would take without enforcing -------------
 @pytest.mark.parametrize(
     ("schema", "where"),

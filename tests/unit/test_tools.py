@@ -105,6 +105,40 @@ async def test_under_auto_a_strict_functions_call_validates_or_is_content(answer
         assert message["content"] == streamed["content"] == answer
 
 
+NAMED_GROUPS = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"day": {"type": "string", "pattern": "^(?<y>[0-9]{4})-[0-9]{2}$"}},
+            "patternProperties": {"^(?<unit>c|f)$": {"type": "number"}},
+            "required": ["day"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("answer", "calls"),
+    [
+        ('{"name": "get_weather", "arguments": {"day": "2024-05", "c": 20}}', 1),
+        ('{"name": "get_weather", "arguments": {"day": "24-05"}}', 0),  # breaks its pattern
+        ('{"name": "get_weather", "arguments": {"day": "2024-05", "k": 20}}', 0),  # no such key
+    ],
+)
+async def test_a_strict_functions_ecma_named_groups_validate_its_calls(answer: str, calls: int) -> None:
+    """A schema's regexes are ECMA-262: Python's re refused ``(?<y>...)``, so validating a
+    strict call raised."""
+    from gateway.sse_tools import tool_chat_response
+
+    whole = make_gen([answer], tools=[NAMED_GROUPS])
+    message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+    assert len(message.get("tool_calls") or []) == calls
+
+
 def test_tool_choice_none_renders_no_tools() -> None:
     plan = plan_tools(request(tools=[WEATHER], tool_choice="none"))
     assert plan.mode == "none" and plan.template_tools() is None

@@ -260,3 +260,12 @@ async def test_a_lookahead_in_a_pattern_is_a_400(schema: dict[str, Any], witness
 def test_what_only_looks_like_a_lookahead_passes(pattern: str) -> None:
     # in a class, or after an escaped "(": literal characters, which xgrammar enforces
     assert xgrammar_gap({"type": "string", "pattern": pattern}) is None
+
+
+# -- 12. an ECMA-262 named group: a JSON Schema regex that xgrammar enforces ----------------------
+async def test_an_ecma_named_group_is_taken_and_enforced() -> None:
+    schema = {"type": "object", "properties": {"year": {"type": "string", "pattern": "^(?<y>[0-9]{4})$"}}}
+    assert _xgr_accepts(schema, {"year": "2024"}) and not _xgr_accepts(schema, {"year": "20x4"})
+    gen = await _chat({"response_format": _fmt(schema)})  # it was a 400: "is not a 'regex'"
+    gen.close()
+    assert gen.sampling.constraint.value == schema

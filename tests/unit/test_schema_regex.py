@@ -1,0 +1,46 @@
+"""JSON Schema's ECMA-262 regexes read with Python's re."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gateway.schema_regex import has_lookahead, python_patterns, python_regex
+
+
+@pytest.mark.parametrize(
+    ("ecma", "python"),
+    [
+        ("^(?<y>[0-9]{4})$", "^(?P<y>[0-9]{4})$"),
+        ("(?<a>x)|(?<b>(?<c>y))", "(?P<a>x)|(?P<b>(?P<c>y))"),
+        ("(?<=a)b(?<!c)", "(?<=a)b(?<!c)"),  # look-behinds are spelled alike
+        (r"\\(?<y>a)", r"\\(?P<y>a)"),  # an escaped backslash, then a group
+        (r"a\(?<y>", r"a\(?<y>"),  # an escaped "(": literal
+        ("[(?<y>]", "[(?<y>]"),  # in a character class: literal
+        (r"[\]](?<y>a)", r"[\]](?P<y>a)"),
+    ],
+)
+def test_a_named_group_is_spelled_as_pythons_re_spells_it(ecma: str, python: str) -> None:
+    assert python_regex(ecma) == python
+    re.compile(python)
+
+
+def test_a_lookahead_is_found_only_where_it_opens_a_group() -> None:
+    assert has_lookahead("^(?=.*[0-9])a$") and has_lookahead("a(?!b)")
+    assert not any(has_lookahead(p) for p in ("[(?=]", r"\(?=", "(?<=a)", "(?:a)"))
+
+
+def test_only_patterns_in_schema_places_are_respelled() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"pattern": {"type": "string", "pattern": "(?<a>x)"}},
+        "patternProperties": {"(?<k>y)": {"items": [{"pattern": "(?<i>z)"}]}},
+        "enum": [{"pattern": "(?<data>d)"}],  # data, not a schema
+    }
+    assert python_patterns(schema) == {
+        "type": "object",
+        "properties": {"pattern": {"type": "string", "pattern": "(?P<a>x)"}},
+        "patternProperties": {"(?P<k>y)": {"items": [{"pattern": "(?P<i>z)"}]}},
+        "enum": [{"pattern": "(?<data>d)"}],
+    }
