@@ -34,7 +34,7 @@ from gateway.protocol import (
 )
 from gateway.read_ahead import ReadAhead
 from gateway.settings import LimitSettings
-from gateway.structured import TEXT, choose, describe, request_constraint
+from gateway.structured import TEXT, choose, describe, opened, request_constraint
 from gateway.tokenizing import PromptTokenizer, TokenBound, token_bound
 from gateway.tools import (
     NO_TOOLS,
@@ -525,7 +525,7 @@ class ChatService:
             self._engine.model_defaults,
             budgets[len(prompt_ids)],
             logprobs,
-            constraint,
+            opened(constraint),  # a named function's, a format's: as the tools' grammars are
         )
         if echo is not None and logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=logprobs)

@@ -790,6 +790,35 @@ def _bare(schema: Any) -> Any:
     return out
 
 
+_SHAPES_AN_OBJECT = frozenset(
+    {"properties", "patternProperties", "additionalProperties", "$ref", "anyOf", "oneOf", "allOf"}
+)
+
+
+def open_object(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: true`` where it is an object that says nothing
+    of its properties: what JSON Schema means by it, and what xgrammar's strict mode reads it
+    as only inline (reached through a ``$ref``, ``{"type": "object"}`` admitted ``{}`` alone)."""
+    if isinstance(schema, dict) and schema.get("type") == "object" and not _SHAPES_AN_OBJECT & schema.keys():
+        return {**schema, "additionalProperties": True}
+    return schema
+
+
+def opened(constraint: Constraint | None) -> Constraint | None:
+    """``constraint`` as the engine decodes it: a JSON schema with its root and each schema
+    of its ``$defs`` and ``definitions`` (where a ``$ref`` leads) opened (``open_object``),
+    as the tools' grammars have them; the constraint itself when nothing changes."""
+    if constraint is None or constraint.kind != "json" or not isinstance(constraint.value, dict):
+        return constraint
+    schema = constraint.value
+    out = open_object(schema)
+    for where in ("$defs", "definitions"):
+        found = schema.get(where)
+        if isinstance(found, dict) and any(open_object(sub) is not sub for sub in found.values()):
+            out = {**out, where: {key: open_object(sub) for key, sub in found.items()}}
+    return constraint if out is schema else Constraint("json", out)
+
+
 def describe(constraint: Constraint) -> str:
     if constraint.kind == "json":
         return "JSON schema " + json.dumps(constraint.value, separators=(",", ":"))[:200]

@@ -45,7 +45,7 @@ from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
 from gateway.schema_regex import python_patterns
-from gateway.structured import schema_problem, schema_size_problem
+from gateway.structured import open_object, schema_problem, schema_size_problem
 from gateway.types import Constraint
 
 if TYPE_CHECKING:
@@ -419,26 +419,12 @@ def _lifted(name: str, params: dict[str, Any]) -> dict[str, Any]:
     ``definitions`` under ``name.defs.<key>`` / ``name.definitions.<key>`` (a tool name has no
     dot, so no two tools' entries meet), every root-relative ``$ref`` rewritten to match."""
     root = {k: v for k, v in params.items() if k not in _DEF_MAPS and k not in ("$id", "$schema")}
-    out = {name: _open(_rebased(root, name))}
+    out = {name: open_object(_rebased(root, name))}
     for where, short in _DEF_MAPS.items():
         found = params.get(where)
         for key, sub in (found if isinstance(found, dict) else {}).items():
-            out[f"{name}.{short}.{key}"] = _open(_rebased(sub, name))
+            out[f"{name}.{short}.{key}"] = open_object(_rebased(sub, name))
     return out
-
-
-_SHAPES_AN_OBJECT = frozenset(
-    {"properties", "patternProperties", "additionalProperties", "$ref", "anyOf", "oneOf", "allOf"}
-)
-
-
-def _open(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: true`` where it is an object that says nothing
-    of its properties: what JSON Schema means by it, and what xgrammar's strict mode reads it
-    as only inline (reached through a ``$ref``, ``{"type": "object"}`` admitted ``{}`` alone)."""
-    if isinstance(schema, dict) and schema.get("type") == "object" and not _SHAPES_AN_OBJECT & schema.keys():
-        return {**schema, "additionalProperties": True}
-    return schema
 
 
 def _rebased(schema: Any, name: str) -> Any:

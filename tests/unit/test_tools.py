@@ -1240,6 +1240,44 @@ def test_a_strict_function_of_any_object_takes_arguments_beside_a_format(params:
     assert _grammar_accepts(_engine_constraint(engine).value, '{"name": "note", "arguments": {"text": "hi"}}')
 
 
+META = {
+    "type": "object",
+    "properties": {"meta": {"$ref": "#/$defs/Meta"}, "old": {"$ref": "#/definitions/Old"}},
+    "required": ["meta"],
+    "$defs": {"Meta": {"type": "object", "description": "free-form metadata"}},
+    "definitions": {"Old": {"type": "object"}},
+}
+
+
+@pytest.mark.parametrize("field", ["named", "response_format", "structured_outputs", "completions"])
+def test_a_referenced_any_object_takes_a_non_empty_object(field: str) -> None:
+    """As beside a format (above), and under ``required``: a named function's parameters, a
+    format's schema or vLLM's ``structured_outputs.json`` reached the engine as sent, so an
+    any-object property could only be {}."""
+    from tests.unit.test_responses_app import ReadyEngine, make_app, sdk
+
+    engine = ReadyEngine(words=["{}"], max_model_len=2000)
+    client = sdk(make_app(engine))
+    f = {"type": "function", "function": {"name": "f", "parameters": META}}
+    if field == "named":
+        choice = {"type": "function", "function": {"name": "f"}}
+        client.chat.completions.create(model="base-model", messages=USER, tools=[f], tool_choice=choice)  # type: ignore[list-item,arg-type]
+    elif field == "response_format":
+        fmt = {"type": "json_schema", "json_schema": {"name": "m", "schema": META}}
+        client.chat.completions.create(model="base-model", messages=USER, response_format=fmt)  # type: ignore[arg-type]
+    elif field == "structured_outputs":
+        body = {"structured_outputs": {"json": META}}
+        client.chat.completions.create(model="base-model", messages=USER, extra_body=body)
+    else:
+        client.completions.create(
+            model="base-model", prompt="x", extra_body={"structured_outputs": {"json": META}}
+        )
+    schema = _engine_constraint(engine).value
+    assert _grammar_accepts(schema, '{"meta": {"source": "web"}, "old": {"a": [1]}}')
+    assert not _grammar_accepts(schema, '{"meta": 5}')
+    assert META["$defs"]["Meta"] == {"type": "object", "description": "free-form metadata"}  # not changed
+
+
 def _engine_constraint(engine: Any) -> Any:
     return engine.calls[-1][1].constraint
 
