@@ -35,7 +35,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     return_token_strs: bool = False
     tools: list[ToolDef] | None = Field(None, max_length=128)  # rendered as chat renders them
-    tool_choice: ToolChoice | None = None  # "none": chat renders no tools
+    tool_choice: ToolChoice | None = None  # taken; chat renders the tools whatever it is
 
     _nulls = field_validator(  # null: the default, as vLLM takes it
         "add_generation_prompt", "continue_final_message", "return_token_strs", mode="before"
@@ -81,7 +81,7 @@ async def tokenize(request: Request) -> Response:
                 bool(body.add_special_tokens),
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=None if body.tool_choice == "none" else body.tools,
+                tools=body.tools,
             )
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -143,8 +143,10 @@ class ToolPlan:
         return self.tools[0].name if self.mode == "required" and len(self.tools) == 1 else None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The ``tools`` argument of the chat template (None: render as a plain chat)."""
-        return None if self.mode == "none" else offered_tools(self.tools)
+        """The ``tools`` argument of the chat template (None: render as a plain chat). Under
+        ``none`` too: OpenAI's ``none`` only stops calls, the definitions stay in context,
+        and vLLM's server renders them (``--exclude-tools-when-tool-choice-none`` is off)."""
+        return offered_tools(self.tools)
 
 
 NO_TOOLS = ToolPlan("none")

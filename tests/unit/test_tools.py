@@ -139,9 +139,39 @@ async def test_a_strict_functions_ecma_named_groups_validate_its_calls(answer: s
     assert len(message.get("tool_calls") or []) == calls
 
 
-def test_tool_choice_none_renders_no_tools() -> None:
+def test_tool_choice_none_still_renders_the_tools() -> None:
+    # OpenAI's none only stops calls (the definitions stay in context); vLLM's server renders
+    # them too (--exclude-tools-when-tool-choice-none is off by default)
     plan = plan_tools(request(tools=[WEATHER], tool_choice="none"))
-    assert plan.mode == "none" and plan.template_tools() is None
+    assert plan.mode == "none" and plan.constraint is None and plan.template_tools() == [WEATHER]
+
+
+async def test_chat_responses_and_tokenize_render_the_tools_under_none(serve: Any) -> None:
+    from tests.unit.fakes import FakeEngine, FakeTokenizer
+
+    class NamingTokenizer(FakeTokenizer):
+        """Writes the offered tools' names after the chat, as a tool template renders them."""
+
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+            names = [t["function"]["name"] for t in kwargs.get("tools") or ()]
+            return super().apply_chat_template(conversation, **kwargs) + "".join(f"[{n}]" for n in names)
+
+    engine = FakeEngine(words=["Hi"], max_model_len=4000)
+    engine._tokenizer = NamingTokenizer()
+    served = await serve(engine)
+    body = {"model": "base", "messages": USER, "tools": [WEATHER], "tool_choice": "none"}
+    plain = await served.http.post("/v1/chat/completions", json={"model": "base", "messages": USER})
+    chat = await served.http.post("/v1/chat/completions", json=body)
+    counted = await served.http.post("/tokenize", json=body)
+    responses_tool = {"type": "function", **WEATHER["function"]}  # type: ignore[dict-item]
+    responses = await served.http.post(
+        "/v1/responses",
+        json={"model": "base", "input": USER, "tools": [responses_tool], "tool_choice": "none"},
+    )
+    offered = chat.json()["usage"]["prompt_tokens"]
+    assert offered == plain.json()["usage"]["prompt_tokens"] + len("[get_weather]")
+    assert counted.json()["count"] == responses.json()["usage"]["input_tokens"] == offered
+    assert chat.json()["choices"][0]["message"]["content"] == "Hi"  # none: still no call
 
 
 def test_named_choice_is_generated_under_the_function_parameters() -> None:
