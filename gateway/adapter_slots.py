@@ -218,6 +218,7 @@ class AdapterSlots:
         # Pins the engine refused in the background, with its reason: the route's card says
         # so until a reload tries again.
         self.pins_failed: dict[int, str] = {}
+        self._pinning_now: set[int] = set()  # pins asked of the engine, not answered yet
         # The engine's list_loras() and lora_slots() (None: it cannot say) as last read;
         # ``resident`` adds the adapters that requests have loaded since (cold starts).
         self.held: set[int] = set()
@@ -307,9 +308,14 @@ class AdapterSlots:
 
     async def _pin_in_room(self, route: Route) -> None:
         assert route.lora is not None and self.scheduler is not None
-        async with self.scheduler.room_for_pin(route.lora.lora_id):
-            await self.engine.pin_lora(route.lora.lora_id)
-            self.pinned.add(route.lora.lora_id)
+        lora_id = route.lora.lora_id
+        self._pinning_now.add(lora_id)  # counted by ``_room_to_pin`` while the engine answers
+        try:
+            async with self.scheduler.room_for_pin(lora_id):
+                await self.engine.pin_lora(lora_id)
+                self.pinned.add(lora_id)
+        finally:
+            self._pinning_now.discard(lora_id)
         log.info("adapter %s pinned to a GPU slot", route.name)
 
     async def _pin_when_room(self, route: Route) -> None:
@@ -332,7 +338,7 @@ class AdapterSlots:
             task.cancel()
 
     def _room_to_pin(self) -> bool:
-        return len(self.pinned) + len(self.pinning) + 1 < self.max_loras
+        return len(self.pinned | self._pinning_now | self.pinning.keys()) + 1 < self.max_loras
 
     async def _pin_next_waiting(self) -> None:
         """A pin left (a pinned version, or one on its way that was removed or refused): the
@@ -341,6 +347,10 @@ class AdapterSlots:
         while self.pins_waiting and self._room_to_pin():
             route = next(iter(self.pins_waiting.values()))
             assert route.lora is not None
+            # Out of the queue before the awaits: should the room go meanwhile, ``_pin`` puts
+            # it back, and it must stay there (first, as it was).
+            lora_id = route.lora.lora_id
+            del self.pins_waiting[lora_id]
             try:
                 # While it waited, the engine may have evicted it from its CPU cache (LRU,
                 # ``max_cpu_loras``), and vLLM refuses to pin an adapter it does not hold: add
@@ -349,9 +359,10 @@ class AdapterSlots:
                 await self._after_load(route.lora.lora_id)
                 await self._pin(route)  # pinned, or on its way: no longer waiting
             except GatewayError as exc:
-                self.pins_failed[route.lora.lora_id] = exc.message
+                self.pins_failed[lora_id] = exc.message
                 log.error("adapter %s could not be pinned: %s", route.name, exc.message)
-            self.pins_waiting.pop(route.lora.lora_id, None)
+            if lora_id in self.pins_waiting:
+                self.pins_waiting = {lora_id: self.pins_waiting.pop(lora_id), **self.pins_waiting}
 
     async def _preload(self, route: Route) -> bool:
         """One token on the adapter: its weights and kernels are warm before a user asks.

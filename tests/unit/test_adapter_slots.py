@@ -221,6 +221,28 @@ async def test_a_warm_up_that_waits_past_the_bound_is_left_for_a_later_reload() 
     assert [call[2] for call in engine.calls] == ["preload-new-3"] and 3 in s.preloaded
 
 
+async def test_a_pin_the_engine_has_not_answered_yet_counts_against_the_pins() -> None:
+    """max_loras=2 allows one pin. A second pin asked while the engine is still answering the
+    first (a background pin beside a reload's) must wait: both would pin every GPU slot,
+    and vLLM fails a batch that needs a slot when all are pinned."""
+    s, engine, _ = slots(max_loras=2)
+    gate = asyncio.Event()
+    answer = engine.pin_lora
+
+    async def slow_pin(lora_id: int) -> None:
+        await gate.wait()
+        await answer(lora_id)
+
+    engine.pin_lora = slow_pin  # type: ignore[method-assign]
+    first = asyncio.create_task(s.register(lora_route("one", 1, pinned=True)))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    await asyncio.wait_for(s.register(lora_route("two", 2, pinned=True)), 3)  # waits, pins nothing
+    gate.set()
+    await first
+    assert engine.pinned == [1] and list(s.pins_waiting) == [2]
+
+
 async def test_a_warm_up_is_not_a_user_request_in_the_wait_metrics() -> None:
     """Warm-ups run before their route is a metrics label: counted, they showed as
     ``gateway_adapter_wait_seconds{route="unknown"}``; a user request after it is counted."""
