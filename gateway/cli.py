@@ -25,6 +25,7 @@ from gateway.settings import GatewaySettings, load_settings, unknown_env
 # The chat CLI's key when --api-key is not given (the OpenAI SDK reads OPENAI_API_KEY the same
 # way; not that one, which may hold a key for OpenAI itself, not to be sent to a gateway).
 API_KEY_ENV = "GATEWAY_API_KEY"
+CONNECT_TIMEOUT_S = 10.0  # `chat`: a gateway that does not accept the connection by then is not there
 
 # flag -> dotted settings key; each is also settable via GATEWAY_... env vars and YAML
 _FLAGS: list[tuple[str, str, type, str]] = [
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare-model":
             from gateway.embedded import prepare_embedded_model
 
-            print(prepare_embedded_model(settings.cache_dir / "models", force=args.force))
+            try:
+                print(prepare_embedded_model(settings.cache_dir / "models", force=args.force))
+            except OSError as exc:  # as ``serve`` says it (state.snapshot_dir), not a traceback
+                why = exc.strerror or exc
+                raise ConfigError(f"cache_dir: cannot write under {settings.cache_dir}: {why}") from None
             return 0
         return _adapters(settings, args.adapters_command)
     except ConfigError as exc:
@@ -275,7 +280,15 @@ def _chat(args: argparse.Namespace) -> int:
         raise ConfigError(f"{source} must be printable ASCII (it is sent in an HTTP header)")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with httpx.Client(base_url=_base_url(args.url), headers=headers, timeout=None) as client:
+        base_url = httpx.URL(_base_url(args.url))
+    except (ValueError, httpx.InvalidURL) as exc:  # "http://[::1", "http://]:9"
+        raise ConfigError(f"--url is not a valid URL ({exc})") from None
+    if base_url.port is not None and not 0 < base_url.port < 65536:
+        raise ConfigError(f"--url has no valid port (1 to 65535): {base_url.port}")
+    try:
+        # No bound on reading an answer (it streams for as long as it is), but on connecting.
+        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+        with httpx.Client(base_url=base_url, headers=headers, timeout=timeout) as client:
             return _converse(client, args)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"error: {args.url}: {exc}", file=sys.stderr)

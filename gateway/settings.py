@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -278,12 +286,19 @@ class ResponsesSettings(_Section):
         0, ge=0, description="one API key's bound, its oldest going first; 0 = none (max_bytes only)"
     )
 
+    @field_validator("store_path")
+    @classmethod
+    def _known_home(cls, value: str | None) -> str | None:
+        if value:
+            expand_home(value)  # a ``~user`` that names no user: this setting's error
+        return value
+
     def resolved_path(self, cache_dir: Path) -> str:
         if not self.store_path:
             return str(cache_dir / "responses.sqlite3")
         if self.store_path == ":memory:":
             return self.store_path
-        path = Path(self.store_path).expanduser()
+        path = Path(expand_home(self.store_path))
         return str(path if path.is_absolute() else PROJECT_ROOT / path)
 
 
@@ -313,11 +328,20 @@ class GatewaySettings(BaseSettings):
         Path.home() / ".cache" / "gateway", description="prepared models, adapter copies the engine loads"
     )
 
+    @field_validator("catalog", "adapters_root", "cache_dir", mode="before")
+    @classmethod
+    def _left_out_when_empty(cls, value: Any, info: ValidationInfo) -> Any:
+        """Empty (``GATEWAY_CACHE_DIR=``, compose's ``${CACHE:-}``) is the default, as for
+        ``engine.model``; as a path it would be the project folder itself."""
+        if isinstance(value, str | Path) and not str(value).strip():
+            return cls.model_fields[info.field_name or ""].get_default(call_default_factory=True)
+        return value
+
     @field_validator("catalog", "adapters_root", "cache_dir")
     @classmethod
     def _anchor(cls, value: Path) -> Path:
         # Relative paths are relative to the project, not to wherever the process started.
-        value = value.expanduser()
+        value = Path(expand_home(str(value)))
         return value if value.is_absolute() else PROJECT_ROOT / value
 
     @classmethod
@@ -363,6 +387,15 @@ _ENGINE_ARGS_ENV = "GATEWAY_ENGINE__ENGINE_ARGS__"
 # (GATEWAY_SERVICE_HOST, GATEWAY_PORT_8000_TCP, ...).
 NOT_SETTINGS = frozenset({"GATEWAY_API_KEY", "GATEWAY_MODELS_DIR", "GATEWAY_GIT_SHA", "GATEWAY_PORT"})
 _NOT_SETTINGS_PREFIXES = ("GATEWAY_SERVICE_", "GATEWAY_PORT_")
+
+
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded; ValueError (the setting's error)
+    where it names no user or no home (``Path.expanduser`` raises RuntimeError, a traceback)."""
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+        raise ValueError(f"{path.split('/', 1)[0]!r} names no user with a home directory")
+    return expanded
 
 
 def unknown_env(environ: Mapping[str, str]) -> list[str]:
@@ -452,6 +485,8 @@ def load_settings(overrides: dict[str, Any] | None = None) -> GatewaySettings:
     for key, value in (overrides or {}).items():
         _deep_set(init, key, value)
     config = init.get("config") or _config_env()
+    if config is not None and not isinstance(config, str | os.PathLike):  # ``--set config=5``
+        raise ConfigError(f"config: expected a file path (got {config!r})")
     path = Path(config) if config else DEFAULT_CONFIG
     if config and not path.is_file():
         raise ConfigError(f"config: {'not a file' if path.exists() else 'file not found'}: {config}")

@@ -196,3 +196,91 @@ def test_adapters_validate_matches_a_strict_base_model_by_the_model_path(
     out, err = capsys.readouterr()
     assert (rc, out.splitlines()[-1]) == (0, "catalog OK"), err
     assert "WARNING" not in err and "REJECTED" not in err
+
+
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.upper().startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+
+
+# -- typos are one error line, never a traceback -----------------------------------------
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://[::1", "not a valid URL"),  # the bracket forgotten
+        ("http://]:9", "not a valid URL"),
+        ("http://[zz]:9", "not a valid URL"),
+        ("http://127.0.0.1:99999999999999999999", "no valid port"),  # getaddrinfo: OverflowError
+        ("http://127.0.0.1:70000", "no valid port"),
+    ],
+)
+def test_a_chat_url_typo_is_one_error_line(url: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["chat", "--url", url, "--model", "m", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --url") and says in err
+
+
+def test_chat_bounds_the_connect_but_not_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway whose listen queue is full never accepts: ``chat`` waited for good."""
+    seen: list[Any] = []
+
+    class Client(REAL_CLIENT):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            seen.append(kw["timeout"])
+            raise httpx.ConnectTimeout("timed out")
+
+    monkeypatch.setattr(httpx, "Client", Client)
+    assert cli.main(["chat", "--model", "m", "hi"]) == 1
+    assert seen[0].connect == cli.CONNECT_TIMEOUT_S and seen[0].read is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["adapters", "list", "--set", "cache_dir=~nosuchuser-gw/cache"], {}),
+        (["adapters", "list", "--set", "catalog=~nosuchuser-gw/adapters.yaml"], {}),
+        (["adapters", "list", "--set", "responses.store_path=~nosuchuser-gw/r.sqlite3"], {}),
+        (["adapters", "validate"], {"GATEWAY_CACHE_DIR": "~nosuchuser-gw/cache"}),
+    ],
+)
+def test_a_home_of_no_user_is_the_settings_error(
+    argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``Path.expanduser`` raises RuntimeError for a ``~user`` that names no user: a traceback,
+    exit 1 (``serve`` too, for the store path, after its checks)."""
+    _clean_env(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(argv) == 2
+    assert "'~nosuchuser-gw' names no user" in capsys.readouterr().err
+
+
+def test_prepare_model_under_a_cache_dir_it_cannot_write_is_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _clean_env(monkeypatch)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("GATEWAY_CACHE_DIR", str(blocker / "cache"))
+    assert cli.main(["prepare-model"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: cache_dir: cannot write under {blocker / 'cache'}")
+
+
+@pytest.mark.parametrize("item", ["config=5", "config=yes", "config=2024-01-01"])
+def test_a_config_yaml_reads_as_no_path_is_one_error_line(
+    item: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _clean_env(monkeypatch)
+    assert cli.main(["adapters", "list", "--set", item]) == 2
+    assert capsys.readouterr().err.startswith("error: config: expected a file path")
+
+
+@pytest.mark.parametrize("name", ["GATEWAY_CACHE_DIR", "GATEWAY_CATALOG", "GATEWAY_ADAPTERS_ROOT"])
+def test_an_empty_path_setting_is_its_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As an empty ``engine.model``: compose's ``${CACHE:-}``. As a path it was the project
+    folder, and the engine's adapter copies went into the adapters root the watcher reads."""
+    _clean_env(monkeypatch)
+    default = load_settings({})
+    monkeypatch.setenv(name, "")
+    field = name.removeprefix("GATEWAY_").lower()
+    assert getattr(load_settings({}), field) == getattr(default, field)
