@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -47,6 +46,7 @@ from gateway.embedded import EMBEDDED_DIMS, embedded_model_dir
 from gateway.errors import ConfigError, GatewayError
 from gateway.lora_scheduler import LoraScheduler
 from gateway.metrics import GatewayMetrics
+from gateway.model_dims import attention, read_config, text_config
 from gateway.snapshots import SnapshotDir
 from gateway.types import Engine, SamplingSpec
 
@@ -112,21 +112,20 @@ def slot_bytes(config: Mapping[str, Any], max_lora_rank: int, dtype: str) -> int
     whichever modules the adapters target; two vocabulary-sized matrices are added for
     models whose embeddings take adapters. From the model's ``config.json`` (a multimodal
     model's ``text_config``); None when it lacks a size."""
-    c = config.get("text_config") or config
+    c, a = text_config(config), attention(config)
+    if a is None:
+        return None
     try:
-        hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
-        heads = int(c["num_attention_heads"])
-        kv_heads = int(c.get("num_key_value_heads") or heads)
-        head_dim = int(c.get("head_dim") or hidden // heads)
+        layers = int(c["num_hidden_layers"])
         inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
         experts = int(c.get("num_local_experts") or c.get("num_experts") or 1)
         vocab = int(c.get("vocab_size") or 0)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError):
         return None
-    q, kv = heads * head_dim, kv_heads * head_dim
-    attention = 2 * (hidden + q) + 2 * (hidden + kv)  # q and o, k and v
+    hidden, q, kv = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    attn = 2 * (hidden + q) + 2 * (hidden + kv)  # q and o, k and v
     mlp = experts * 3 * (hidden + inter)  # gate, up and down
-    elements = max_lora_rank * (layers * (attention + mlp) + 2 * vocab)
+    elements = max_lora_rank * (layers * (attn + mlp) + 2 * vocab)
     return elements * _dtype_bytes(dtype, config)
 
 
@@ -143,24 +142,16 @@ def model_config(model: str | None, cache_dir: Path) -> dict[str, Any] | None:
     has prepared it). None when none of those can be read."""
     if model is None:
         folder = embedded_model_dir(cache_dir / "models")
-        return _read_json(folder / "config.json") or dict(EMBEDDED_DIMS)
+        return read_config(folder / "config.json") or dict(EMBEDDED_DIMS)
     if Path(model).is_dir():
-        return _read_json(Path(model) / "config.json")
+        return read_config(Path(model) / "config.json")
     try:
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(model, "config.json")
     except Exception:  # a name that is not a repo id, or no hub library: nothing to read
         return None
-    return _read_json(Path(cached)) if isinstance(cached, str) else None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+    return read_config(Path(cached)) if isinstance(cached, str) else None
 
 
 def cpu_cache_size(max_loras: int, adapter_dirs: Sequence[Path], host_bytes: int | None) -> int:

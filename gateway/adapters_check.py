@@ -11,9 +11,10 @@ must have its other half and target a module the model has, with shapes that fit
 (``lora_A`` is ``[r, in]``, ``lora_B`` is ``[out, r]`` for a module of weight ``[out, in]``)
 at the module's rank (``r``, or its ``rank_pattern`` entry, matched as PEFT and vLLM match
 it). A module whose weight the checkpoint stores quantized has no dense shape in its
-header: only that it exists is checked here, and vLLM checks the shapes when it loads the
-adapter. The base model named in ``adapter_config.json`` is only a warning unless the entry
-asks for ``strict_base_model``.
+header: a standard decoder module's comes from ``config.json`` (``model_dims``), as vLLM
+does not check shapes when it loads an adapter (a wrong one fails inside the engine step);
+any other such module is only checked to exist. The base model named in
+``adapter_config.json`` is only a warning unless the entry asks for ``strict_base_model``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from gateway.errors import ConfigError
+from gateway.model_dims import decoder_shapes, read_config
 
 # Leading path parts that only wrap the language model (PEFT's ``base_model.model``,
 # Gemma 3's ``model.language_model``, ``language_model.model``): module paths are compared
@@ -40,6 +42,9 @@ _LORA_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weig
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 # Tensors that stand for a quantized module's weight (GPTQ/AWQ, compressed-tensors).
 _QUANTIZED_WEIGHTS = frozenset({"qweight", "weight_packed"})
+# A standard decoder layer's module (its path, wrappers stripped): ``model_dims.decoder_shapes``
+# has its dense shape by its path in the layer. Anchored: a vision tower's layers are not it.
+_DECODER_MODULE = re.compile(r"^layers\.\d+\.(?P<name>(?:self_attn|mlp)\.\w+)$")
 # The adapter's weights, in the order vLLM's ``LoRAModel.from_local_checkpoint`` looks.
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 
@@ -64,7 +69,7 @@ def safe_adapter_path(raw: str, adapters_root: Path) -> Path:
 @dataclass(frozen=True)
 class ModelShapes:
     """The base model's weights: module path (wrappers stripped) -> (out, in), or None for a
-    module stored quantized (its dense shape is not in the header)."""
+    module stored quantized whose dense shape neither its header nor ``config.json`` gives."""
 
     shapes: dict[str, tuple[int, int] | None]
 
@@ -189,6 +194,7 @@ def model_shapes(model: str | Path) -> ModelShapes | None:
     if model_dir is None:
         return None
     shapes: dict[str, tuple[int, int] | None] = {}
+    outs: dict[str, int] = {}  # a quantized module's out features, where its format says them
     for file in sorted(model_dir.glob("*.safetensors")):
         for name, (shape, dtype) in _header(file).items():
             module, _, kind = name.rpartition(".")
@@ -196,7 +202,29 @@ def model_shapes(model: str | Path) -> ModelShapes | None:
                 shapes[module_key(module)] = (shape[0], shape[1])
             elif kind in _QUANTIZED_WEIGHTS or (kind == "weight" and dtype not in _FLOAT_DTYPES):
                 shapes.setdefault(module_key(module), None)  # e.g. bitsandbytes' packed .weight
+            if len(shape) == 2 and kind in ("scales", "weight_packed"):
+                # GPTQ's and AWQ's scales are [in / group, out]; compressed-tensors packs [out, in / pack]
+                outs[module_key(module)] = shape[1] if kind == "scales" else shape[0]
+    if None in shapes.values() and (config := read_config(model_dir / "config.json")) is not None:
+        _derive_quantized(shapes, outs, decoder_shapes(config))
     return ModelShapes(shapes) if shapes else None
+
+
+def _derive_quantized(
+    shapes: dict[str, tuple[int, int] | None], outs: dict[str, int], derived: dict[str, tuple[int, int]]
+) -> None:
+    """Give the quantized decoder modules their shape from ``config.json``, unless a header
+    contradicts it for any layer (a dense copy of another shape, a quantized module of other
+    out features): then the config does not describe these weights, and they stay unchecked."""
+    roles = {key: m["name"] for key in shapes if (m := _DECODER_MODULE.match(key)) and m["name"] in derived}
+    wrong = {
+        role
+        for key, role in roles.items()
+        if shapes[key] not in (None, derived[role]) or outs.get(key, derived[role][0]) != derived[role][0]
+    }
+    for key, role in roles.items():
+        if shapes[key] is None and role not in wrong:
+            shapes[key] = derived[role]
 
 
 def check_adapter(
@@ -330,7 +358,7 @@ def _check_tensors(
             module = module_key(m["module"])
             raise ConfigError(f"{adapter}: tensor {name} targets {module}, which the model does not have")
         target = model.get(m["module"])
-        if target is None:  # stored quantized: vLLM checks the shape when it loads the adapter
+        if target is None:  # stored quantized, and no shape for it in config.json: unchecked
             continue
         out_features, in_features = target
         fits = [r, in_features] if is_a else [out_features, r]

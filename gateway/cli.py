@@ -228,8 +228,8 @@ def _adapters(settings: GatewaySettings, command: str) -> int:
     if modules is None:  # as the gateway's start says it (state.py), not a silent pass
         print(
             f"NOTE: no safetensors weights of the model at {where}: adapters are checked without "
-            "the model's module shapes (their own tensors still are; vLLM checks the rest when it "
-            "loads each)",
+            "the model's module shapes (their own tensors still are; vLLM does not check that they "
+            "fit the model)",
             file=sys.stderr,
         )
     # load_table logs nothing: this command reports each rejected entry and warning (below).

@@ -128,7 +128,7 @@ class Gateway:
         if shapes is None and self.settings.engine.load_format != "dummy":
             log.warning(
                 "no safetensors weights found for model %s: adapters are checked without the model's "
-                "module shapes (their own tensors still are; vLLM checks the rest when it loads each)",
+                "module shapes (their own tensors still are; vLLM does not check that they fit the model)",
                 model,
             )
         return shapes

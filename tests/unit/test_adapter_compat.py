@@ -16,6 +16,7 @@ from gateway.adapters_check import ModelShapes, check_adapter, model_shapes, ten
 from gateway.catalog import Catalog, LoraIds, RoutingTable, load_table
 from gateway.embedded import EMBEDDED_NAME, embedded_model_dir, is_prepared
 from gateway.errors import ConfigError
+from gateway.model_dims import decoder_shapes, read_config
 from gateway.routes import model_cards
 from gateway.settings import GatewaySettings
 from gateway.snapshots import SnapshotDir
@@ -162,6 +163,47 @@ def test_a_shape_mismatch_names_the_tensor_its_shape_and_the_expected_one(
     t = table(tmp_path, gemma, "  - {name: shout, adapter: shout}\n")
     assert t.routes == {}
     assert t.errors["shout"] == (
+        f"shout: tensor {bad} has shape [2048, 8], expected [1024, 8] "
+        "(the model's layers.3.self_attn.q_proj is [1024, 640])"
+    )
+
+
+def gptq_twin(gemma: ModelShapes, folder: Path) -> Path:
+    """The embedded model as a 4-bit GPTQ checkpoint: its headers hold ``qweight`` [in / 8, out]
+    and ``scales`` [1, out] for each decoder module, no dense shape; its config.json as is."""
+    folder.mkdir()
+    tensors = {}
+    for key, shape in gemma.shapes.items():
+        assert shape is not None
+        out, inp = shape
+        if key.startswith("layers."):
+            tensors[f"model.{key}.qweight"] = np.zeros((inp // 8, out), np.int32)
+            tensors[f"model.{key}.scales"] = np.zeros((1, out), np.float16)
+        else:
+            tensors[f"model.{key}.weight"] = np.zeros(shape, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    shutil.copy(MODEL_DIR / "config.json", folder)
+    return folder
+
+
+def test_on_a_gptq_checkpoint_the_shapes_come_from_its_config(tmp_path: Path, gemma: ModelShapes) -> None:
+    """vLLM loads a wrong-shaped adapter without a check and fails inside the engine step when
+    a request first uses it (every client's engine dies): the dense shapes of a quantized
+    checkpoint's decoder modules follow from config.json and are checked as a dense one's."""
+    config = read_config(MODEL_DIR / "config.json")
+    assert config is not None and len(decoder_shapes(config)) == 7  # q, k, v, o, gate, up, down
+    quantized = model_shapes(gptq_twin(gemma, tmp_path / "gptq"))
+    assert quantized is not None and quantized.shapes == gemma.shapes
+    path = copy_adapter(tmp_path)
+    assert check_adapter(path, 16, EMBEDDED_NAME, quantized).rank == 8
+    weights = path / "adapter_model.safetensors"
+    tensors = {name: np.zeros(shape, dtype=np.float32) for name, shape in tensor_shapes(weights).items()}
+    bad = "base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight"
+    tensors[bad] = np.zeros((2048, 8), dtype=np.float32)  # a model with twice the heads
+    save_file(tensors, str(weights))
+    with pytest.raises(ConfigError) as raised:
+        check_adapter(path, 16, EMBEDDED_NAME, quantized)
+    assert str(raised.value) == (
         f"shout: tensor {bad} has shape [2048, 8], expected [1024, 8] "
         "(the model's layers.3.self_attn.q_proj is [1024, 640])"
     )

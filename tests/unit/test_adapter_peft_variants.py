@@ -32,20 +32,28 @@ DIMS = {
     "mlp.up_proj": (INTER, H),
     "mlp.down_proj": (H, INTER),
 }
+# Its config.json: 4 heads of 8 (hidden / heads), 2 KV heads.
+CONFIG = {"hidden_size": H, "intermediate_size": INTER, "num_hidden_layers": 1}
+CONFIG |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB}
 
 
 def zeros(*shape: int, dtype: Any = np.float32) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
-def llama(tmp_path: Path, quantized: str | None = None) -> Path:
+def llama(tmp_path: Path, quantized: str | None = None, config: dict[str, Any] | None = None) -> Path:
     folder = tmp_path / "model"
     folder.mkdir(exist_ok=True)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
     tensors = {"model.embed_tokens.weight": zeros(VOCAB, H), "model.norm.weight": zeros(H)}
     for module, (out, inp) in DIMS.items():
         key = f"model.layers.0.{module}"
         if quantized == "gptq":  # 4-bit GPTQ: packed, [in / 8, out]
             tensors[f"{key}.qweight"] = zeros(inp // 8, out, dtype=np.int32)
+            tensors[f"{key}.scales"] = zeros(1, out, dtype=np.float16)
+        elif quantized == "awq":  # 4-bit AWQ: packed, [in, out / 8]
+            tensors[f"{key}.qweight"] = zeros(inp, out // 8, dtype=np.int32)
             tensors[f"{key}.scales"] = zeros(1, out, dtype=np.float16)
         elif quantized == "compressed-tensors":  # W4A16 pack-quantized
             tensors[f"{key}.weight_packed"] = zeros(out, inp // 8, dtype=np.int32)
@@ -125,8 +133,8 @@ def test_a_target_no_module_ends_in_is_still_refused(tmp_path: Path, model: Mode
 def test_on_a_quantized_checkpoint_modules_are_checked_but_not_their_shapes(
     tmp_path: Path, quantized: str
 ) -> None:
-    """The header has no dense [out, in] for a quantized weight: the module must exist, and
-    vLLM checks the shapes when it loads the adapter."""
+    """The header has no dense [out, in] for a quantized weight and there is no config.json to
+    derive it from: only that the module exists is checked."""
     shapes = model_shapes(llama(tmp_path, quantized))
     assert shapes is not None and shapes.has("layers.0.self_attn.q_proj")
     assert shapes.get("layers.0.self_attn.q_proj") is None
@@ -136,6 +144,48 @@ def test_on_a_quantized_checkpoint_modules_are_checked_but_not_their_shapes(
         ConfigError, match="targets layers.0.self_attn.qq_proj, which the model does not have"
     ):
         check_adapter(adapter(tmp_path, Q | stray, name="b"), 16, "llama", shapes)
+
+
+@pytest.mark.parametrize("quantized", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
+def test_on_a_quantized_checkpoint_shapes_come_from_its_config(tmp_path: Path, quantized: str) -> None:
+    """vLLM loads a wrong-shaped adapter without a check, then fails inside the engine step
+    when a request first uses it: the dense shapes follow from config.json, so it is refused."""
+    shapes = model_shapes(llama(tmp_path, quantized, CONFIG))
+    assert shapes is not None
+    assert {module: shapes.get(f"layers.0.{module}") for module in DIMS} == DIMS
+    kv = {
+        LAYER + "self_attn.k_proj.lora_A.weight": zeros(8, H),
+        LAYER + "self_attn.k_proj.lora_B.weight": zeros(KV, 8),
+    }
+    check_adapter(adapter(tmp_path, Q | kv, target_modules=["q_proj", "k_proj"]), 16, "llama", shapes)
+    wrong = kv | {LAYER + "self_attn.k_proj.lora_B.weight": zeros(H, 8)}  # a model without GQA's
+    with pytest.raises(ConfigError) as raised:
+        check_adapter(adapter(tmp_path, Q | wrong, name="b", target_modules=["k_proj"]), 16, "llama", shapes)
+    assert str(raised.value) == (
+        f"b: tensor {LAYER}self_attn.k_proj.lora_B.weight has shape [32, 8], expected [16, 8] "
+        "(the model's layers.0.self_attn.k_proj is [16, 32])"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "unchecked"),
+    [
+        (CONFIG | {"num_key_value_heads": 4}, {"self_attn.k_proj", "self_attn.v_proj"}),  # the header's 16
+        (CONFIG | {"kv_lora_rank": 8, "v_head_dim": 8}, {m for m in DIMS if m.startswith("self_attn.")}),
+        (CONFIG | {"num_local_experts": 4}, {m for m in DIMS if m.startswith("mlp.")}),
+        (CONFIG | {"intermediate_size": [INTER]}, {m for m in DIMS if m.startswith("mlp.")}),
+    ],
+    ids=["contradicted-by-the-header", "latent-attention", "experts", "per-layer-sizes"],
+)
+def test_shapes_the_config_leaves_in_doubt_stay_unchecked(
+    tmp_path: Path, config: dict[str, Any], unchecked: set[str]
+) -> None:
+    """A derived shape that is wrong would refuse a good adapter: where the config does not
+    say the shape for sure, or the header says another, the module is only checked to exist."""
+    shapes = model_shapes(llama(tmp_path, "gptq", config))
+    assert shapes is not None
+    got = {module: shapes.get(f"layers.0.{module}") for module in DIMS}
+    assert got == {module: None if module in unchecked else shape for module, shape in DIMS.items()}
 
 
 @pytest.mark.parametrize(("a_rank", "b_rank"), [(4, 2), (2, 2)], ids=["a-and-b-differ", "not-the-pattern"])
