@@ -467,6 +467,8 @@ class LoraScheduler:
                     draining.add(route)
         return {
             "slots": self._capacity(),
+            # adapter versions holding them: two for one route in ``active`` during a hot swap
+            "slots_in_use": len(self._active),
             "active": {
                 route: {"inflight": count, "draining": route in draining} for route, count in inflight.items()
             },

@@ -8,7 +8,7 @@ from a fixed set, so cardinality is bounded whatever clients send. vLLM's own me
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,11 +269,12 @@ class GatewayMetrics:
         if record.status == 200:
             self.e2e.labels(route).observe(time.monotonic() - record.started)
 
-    def render(self, queued: Mapping[str, int] | None = None) -> bytes:
+    def render(self, queued: Mapping[str, int] | None = None, pinned: Sequence[str] = ()) -> bytes:
         """Ours, then vLLM's with the router view (``router_view``). ``queued``: route -> LoRA
-        requests waiting in the gateway for their adapter's turn (None: it schedules none)."""
+        requests waiting in the gateway for their adapter's turn (None: it schedules none);
+        ``pinned``: the routes whose adapter is pinned to a GPU slot."""
         engine = [newest_lora_info(family) for family in REGISTRY.collect()]
-        engine += router_view(engine, queued or {}, time.time())
+        engine += router_view(engine, queued or {}, time.time(), pinned)
         return generate_latest(self.registry) + generate_latest(_Fixed(engine))
 
 
@@ -300,14 +301,19 @@ def newest_lora_info(family: Metric) -> Metric:
     return kept
 
 
-def router_view(engine: list[Metric], queued: Mapping[str, int], now: float) -> list[Metric]:
+def router_view(
+    engine: list[Metric], queued: Mapping[str, int], now: float, pinned: Sequence[str] = ()
+) -> list[Metric]:
     """vLLM's queue metrics with the gateway's own LoRA queue added, for LoRA-affinity routers
     (Gateway API Inference Extension, llm-d). Requests waiting here for their adapter's turn
     are in no engine queue, so from ``vllm:num_requests_waiting`` and
     ``vllm:lora_requests_info`` alone a router would take a replica holding them for idle and
     miss their adapters. ``gateway_num_requests_waiting`` is the engine's waiting requests
     plus those; ``gateway_lora_requests_info`` is vLLM's newest info (its value is a time)
-    with their routes added to ``waiting_lora_adapters``. Nothing while vLLM reports neither."""
+    with their routes added to ``waiting_lora_adapters``, and the ``pinned`` routes to
+    ``running_lora_adapters``: vLLM names an adapter there only while it runs requests, and
+    a pinned one is in a GPU slot, ready, whether or not it does. Nothing while vLLM reports
+    neither."""
     families = {family.name: family for family in engine}
     out: list[Metric] = []
     waiting = families.get("vllm:num_requests_waiting")
@@ -325,6 +331,8 @@ def router_view(engine: list[Metric], queued: Mapping[str, int], now: float) -> 
         names = [n for n in labels.get("waiting_lora_adapters", "").split(",") if n]
         names += [route for route in queued if route not in names]
         labels["waiting_lora_adapters"] = ",".join(names)
+        running = [n for n in labels.get("running_lora_adapters", "").split(",") if n]
+        labels["running_lora_adapters"] = ",".join(running + [r for r in pinned if r not in running])
         gauge = GaugeMetricFamily(
             "gateway_lora_requests_info",
             "vLLM's LoRA info (running and waiting adapters, max_lora) with the adapters waiting here",

@@ -527,7 +527,8 @@ async def metrics(request: Request) -> Response:
     # The router view even with scheduling off (nothing queued here then): a router pointed
     # at it (deploy/README.md) must not lose its metrics when the scheduler is switched off.
     queued = gw.scheduler.queued_routes() if gw.scheduler is not None else None
-    return Response(m.render(queued), media_type="text/plain; version=0.0.4; charset=utf-8")
+    pinned = [r.name for r in routes if r.lora is not None and r.lora.lora_id in gw.adapters.pinned]
+    return Response(m.render(queued, pinned), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def health(request: Request) -> Response:
@@ -561,7 +562,7 @@ async def admin_adapters(request: Request) -> Response:
             # the engine's adapter capacity: GPU slots (max_loras), its CPU cache (max_cpu_loras)
             "slots": {"gpu": gw.settings.engine.gpu_slots, "cpu": gw.settings.engine.max_cpu_loras},
             "engine_loras": sorted(gw.adapters.resident),
-            "live_loras": sorted(r.lora.lora_id for r in catalog.table.all_routes() if r.lora),
+            "live_loras": sorted({r.lora.lora_id for r in catalog.table.all_routes() if r.lora}),
             "in_use": {str(k): v for k, v in catalog.in_use().items()},
         }
     )
@@ -592,6 +593,8 @@ async def admin_reload(request: Request) -> Response:
         # does not wait for: uvicorn would cancel the reload, or the engine stop under it
         raise gw.admission.shutting_down()
     ok = await gw.reload_catalog()
+    if not ok and gw.admission.draining:  # the drain began while it waited for another reload
+        raise gw.admission.shutting_down()
     catalog = gw.catalog_or_503()
     routes = sorted(catalog.table.routes)
     if ok:  # ``error``: the entries rejected, on one line, or null

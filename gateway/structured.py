@@ -692,6 +692,10 @@ def route_constraint(value: dict[str, Any] | str | None, configs_dir: Path) -> C
     try:
         if isinstance(value, str):
             value = _schema_file(value, configs_dir)
+        try:  # YAML's .inf / .nan, a file's Infinity: kept, no card showing it would be JSON
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ConfigError("response_format: holds a number that is not finite (NaN, Infinity)") from None
         if value.get("type") in ("text", "json_object", "json_schema"):
             parsed = parse_response_format(value)
             return None if parsed == TEXT else parsed

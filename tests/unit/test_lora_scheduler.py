@@ -616,6 +616,7 @@ async def test_snapshot_names_active_and_queued_adapters() -> None:
     await r.ask("b1", B)
     assert s.snapshot() == {
         "slots": 1,
+        "slots_in_use": 1,
         "active": {"a": {"inflight": 1, "draining": False}},
         "queued": {"b": 1},
         "forced": 0,
@@ -634,7 +635,7 @@ async def test_many_requests_all_end_and_leave_nothing_behind(slots: int) -> Non
         ticket.release()
 
     await asyncio.wait_for(asyncio.gather(*(one(n) for n in range(60))), 5)
-    assert s.snapshot() == {"slots": slots, "active": {}, "queued": {}, "forced": 0}
+    assert s.snapshot() == {"slots": slots, "slots_in_use": 0, "active": {}, "queued": {}, "forced": 0}
 
 
 async def test_over_the_slot_count_after_a_timeout_adapters_drain_back_to_it() -> None:
@@ -859,6 +860,7 @@ async def test_a_cancelled_waiter_is_not_counted_as_sent_on() -> None:
     await settle()
     assert s.snapshot() == {
         "slots": 1,
+        "slots_in_use": 1,
         "active": {"a": {"inflight": 1, "draining": False}},
         "queued": {},
         "forced": 0,
@@ -951,3 +953,4 @@ async def test_the_snapshot_sums_both_versions_of_a_route() -> None:
     tickets = [await s.turn(A, ME), await s.turn(A, ME), await s.turn(new_a, ME)]
     assert all(t is not None for t in tickets)
     assert s.snapshot()["active"] == {"a": {"inflight": 3, "draining": False}}
+    assert s.snapshot()["slots_in_use"] == 2  # each version holds a slot

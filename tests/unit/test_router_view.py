@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +45,17 @@ def test_the_gateways_queue_adds_to_vllms_and_its_routes_to_the_waiting_adapters
     [newest] = view["gateway_lora_requests_info"].samples
     assert newest.labels == {"running_lora_adapters": "x,y", "waiting_lora_adapters": "z,q", "max_lora": "4"}
     assert newest.value == 300.0  # now: newer than any of vLLM's own
+
+
+def test_pinned_routes_are_running_adapters_even_while_idle() -> None:
+    """vLLM names an adapter in ``running_lora_adapters`` only while it runs requests; a
+    pinned one is in a GPU slot, ready: a router must see it as resident."""
+    registry = CollectorRegistry()
+    _, info = vllm_metrics(registry, waiting=0)
+    info.labels("json", "", "4").set(100.0)
+    view = {m.name: m for m in router_view(families(registry), Counter(), 200.0, ["shout", "json"])}
+    [newest] = view["gateway_lora_requests_info"].samples
+    assert newest.labels["running_lora_adapters"] == "json,shout"  # json once
 
 
 def test_without_vllms_lora_info_only_the_count_and_without_vllm_nothing() -> None:
@@ -197,3 +209,28 @@ def test_the_series_of_an_adapter_loaded_for_a_route_never_served_go_in_time() -
     metrics.adapter_loaded("new", 0.1)
     metrics.set_routes(frozenset({"base", "new"}))  # loaded for a route the table serves: kept
     assert metrics.route_label("new") == "new" and "new" not in metrics._retired
+
+
+class _PinEngine(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__(words=["x"])
+        self.pinned: list[int] = []
+
+    async def pin_lora(self, lora_id: int) -> None:
+        self.pinned.append(lora_id)
+
+
+async def test_an_idle_pinned_adapter_is_running_for_the_router(
+    serve: Serve, tmp_path: Path, engine_gauges: tuple[Gauge, Gauge]
+) -> None:
+    _, info = engine_gauges
+    (tmp_path / "adapters.yaml").write_text(
+        "routes:\n  - {name: shout, adapter: shout, pinned: true}\n  - {name: json, adapter: json}\n"
+    )
+    engine = _PinEngine()
+    served = await serve(engine, engine__max_loras=4)
+    await eventually_async(lambda: engine.pinned, 5, "shout pinned")
+    info.labels("", "", "4").set(1.0)  # vLLM's, with no request in the engine
+    text = (await served.http.get("/metrics", headers=ADMIN)).text
+    [line] = [x for x in text.splitlines() if x.startswith("gateway_lora_requests_info{")]
+    assert 'running_lora_adapters="shout"' in line

@@ -602,3 +602,64 @@ async def test_a_symlink_loop_entry_does_not_stop_the_start(serve: Serve, tmp_pa
     state = (await served.http.get("/admin/adapters", headers=ADMIN)).json()
     assert "cannot be resolved" in state["rejected"]["loop"]
     await still_serves_async(served.http, "shout")
+
+
+class _GatedAdd(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_gate = asyncio.Event()
+        self.add_gate.set()
+        self.adds_started = 0
+
+    async def add_lora(self, lora: LoraSpec) -> None:
+        self.adds_started += 1
+        await self.add_gate.wait()
+        await super().add_lora(lora)
+
+
+async def test_a_reload_waiting_for_another_when_the_drain_starts_is_a_503(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """It passed the handler's drain check, then the drain began while it waited for the
+    other reload: skipped, it was answered 422 ``catalog_invalid`` for a catalog that is fine."""
+    engine = _GatedAdd()
+    served = await serve(engine)
+    make_adapter(tmp_path / "adapters", "hot")
+    (tmp_path / "adapters.yaml").write_text(CATALOG + "  - {name: hot, adapter: hot}\n")
+    engine.add_gate.clear()
+    loads = engine.adds_started
+    first = asyncio.create_task(served.http.post("/admin/adapters/reload", headers=ADMIN))
+    await eventually_async(lambda: engine.adds_started > loads, 5, "the first reload holds the lock")
+    second = asyncio.create_task(served.http.post("/admin/adapters/reload", headers=ADMIN))
+    await asyncio.sleep(0.05)
+    served.gw.admission.draining = True  # SIGTERM
+    engine.add_gate.set()
+    assert (await first).status_code == 200
+    assert_openai_error(await second, 503)
+
+
+async def test_live_loras_names_each_engine_adapter_once(serve: Serve, tmp_path: Path) -> None:
+    (tmp_path / "adapters.yaml").write_text(
+        "routes:\n  - {name: shout, adapter: shout}\n"
+        "  - {name: shout-strict, adapter: shout, system_prompt: Be strict.}\n"
+        "  - {name: json, adapter: json}\n"
+    )
+    served = await serve()
+    state = (await served.http.get("/admin/adapters", headers=ADMIN)).json()
+    assert len(state["live_loras"]) == 2 == len(set(state["live_loras"]))
+
+
+@pytest.mark.parametrize("number", [".inf", "-.inf", ".nan"])
+async def test_a_schema_with_a_number_json_has_not_is_the_entrys_rejection(
+    serve: Serve, tmp_path: Path, number: str
+) -> None:
+    """Accepted, it was on the route's card, which no JSON can carry: /v1/models and
+    /admin/adapters answered 500 for every key."""
+    (tmp_path / "adapters.yaml").write_text(
+        CATALOG + "  - name: scored\n    system_prompt: Rate it.\n    response_format:\n"
+        f"      type: object\n      properties:\n        score: {{type: number, maximum: {number}}}\n"
+    )
+    served = await serve()
+    assert "not finite" in served.gw.catalog_or_503().table.errors["scored"]
+    assert (await served.http.get("/v1/models")).status_code == 200
+    assert (await served.http.get("/admin/adapters", headers=ADMIN)).status_code == 200
