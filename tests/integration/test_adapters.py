@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -20,8 +21,10 @@ def upper_ratio(text: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
+def client(gateway: LiveGateway) -> Iterator[openai.OpenAI]:
+    # Closed here: one left to the garbage collector may leave its socket to warn later.
+    with openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
 
 
 def ask(client: openai.OpenAI, model: str, question: str = QUESTION, max_tokens: int = 64) -> str:

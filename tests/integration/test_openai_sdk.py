@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+
 import openai
 import pytest
 
@@ -11,13 +13,16 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
+def client(gateway: LiveGateway) -> Iterator[openai.OpenAI]:
+    # Closed here: one left to the garbage collector may leave its socket to warn later.
+    with openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture
-def aclient(gateway: LiveGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
+async def aclient(gateway: LiveGateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
 
 
 def test_models_list_has_base_and_every_route(client: openai.OpenAI, base_model: str) -> None:

@@ -4,6 +4,7 @@ routing, max_output_tokens, structured output, the per-key store and its chainin
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -17,14 +18,18 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
+def client(gateway: LiveGateway) -> Iterator[openai.OpenAI]:
+    # Closed here: one left to the garbage collector may leave its socket to warn later.
+    with openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def other(gateway: LiveGateway) -> openai.OpenAI:
+def other(gateway: LiveGateway) -> Iterator[openai.OpenAI]:
     """Another key (its name is another owner in the store)."""
-    return openai.OpenAI(base_url=gateway.v1, api_key=ADMIN_KEY, max_retries=0)
+    # Closed here: one left to the garbage collector may leave its socket to warn later.
+    with openai.OpenAI(base_url=gateway.v1, api_key=ADMIN_KEY, max_retries=0) as c:
+        yield c
 
 
 def upper_ratio(text: str) -> float:

@@ -53,8 +53,10 @@ def test_everything_else_needs_a_key(gateway: LiveGateway, path: str) -> None:
 
 
 def test_wrong_key_is_401_for_the_sdk(gateway: LiveGateway) -> None:
-    client = openai.OpenAI(base_url=gateway.v1, api_key="sk-wrong-key-000", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as info:
+    with (
+        openai.OpenAI(base_url=gateway.v1, api_key="sk-wrong-key-000", max_retries=0) as client,
+        pytest.raises(openai.AuthenticationError) as info,
+    ):
         client.chat.completions.create(model="shout", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 401
 
@@ -98,22 +100,22 @@ def test_admin_needs_an_admin_key(gateway: LiveGateway) -> None:
 
 
 def test_a_key_limited_to_routes_sees_only_those(gateway: LiveGateway, base_model: str) -> None:
-    client = openai.OpenAI(base_url=gateway.v1, api_key=SHOUT_ONLY_KEY, max_retries=0)
-    ok = client.chat.completions.create(
-        model="loud", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-    )
-    assert ok.model == "shout"
-    for other in ("json", base_model, "concise"):
-        with pytest.raises(openai.NotFoundError) as info:
-            client.chat.completions.create(
-                model=other, messages=[{"role": "user", "content": "hi"}], max_tokens=2
-            )
-        assert info.value.code == "model_not_found"  # as if the route did not exist
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(
-            model=base_model, messages=[{"role": "user", "content": "hi"}], extra_body={"task": "extract"}
+    with openai.OpenAI(base_url=gateway.v1, api_key=SHOUT_ONLY_KEY, max_retries=0) as client:
+        ok = client.chat.completions.create(
+            model="loud", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
-    assert {m.id for m in client.models.list()} == {"shout", "loud", "caps"}
+        assert ok.model == "shout"
+        for other in ("json", base_model, "concise"):
+            with pytest.raises(openai.NotFoundError) as info:
+                client.chat.completions.create(
+                    model=other, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert info.value.code == "model_not_found"  # as if the route did not exist
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model=base_model, messages=[{"role": "user", "content": "hi"}], extra_body={"task": "extract"}
+            )
+        assert {m.id for m in client.models.list()} == {"shout", "loud", "caps"}
     r = httpx.post(
         gateway.url + "/chat",
         json={"question": "hi", "model": "json"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -61,8 +62,10 @@ def city_format(schema: dict[str, Any] = CITY_SCHEMA) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
+def client(gateway: LiveGateway) -> Iterator[openai.OpenAI]:
+    # Closed here: one left to the garbage collector may leave its socket to warn later.
+    with openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

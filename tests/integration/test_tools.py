@@ -11,6 +11,7 @@ generated under a grammar, so their arguments must parse and validate whatever i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import httpx
@@ -71,8 +72,10 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0)
+def client(gateway: LiveGateway) -> Iterator[openai.OpenAI]:
+    # Closed here: one left to the garbage collector may leave its socket to warn later.
+    with openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as c:
+        yield c
 
 
 def schema_of(name: str) -> dict[str, Any]:
@@ -351,18 +354,17 @@ def test_instructor_tools_mode_returns_the_model(gateway: LiveGateway, mode: str
     """TOOLS over chat completions; RESPONSES_TOOLS over /v1/responses (function tools)."""
     import instructor
 
-    inst = instructor.from_openai(
-        openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY), mode=instructor.Mode[mode]
-    )
-    person = inst.chat.completions.create(
-        model="base",
-        response_model=Person,
-        messages=[{"role": "user", "content": "Marie Curie was born in Poland. Extract the person."}],
-        max_tokens=60,
-        temperature=0,
-        max_retries=0,
-    )
-    assert isinstance(person, Person) and person.name and person.country
+    with openai.OpenAI(base_url=gateway.v1, api_key=USER_KEY) as raw:
+        inst = instructor.from_openai(raw, mode=instructor.Mode[mode])
+        person = inst.chat.completions.create(
+            model="base",
+            response_model=Person,
+            messages=[{"role": "user", "content": "Marie Curie was born in Poland. Extract the person."}],
+            max_tokens=60,
+            temperature=0,
+            max_retries=0,
+        )
+        assert isinstance(person, Person) and person.name and person.country
 
 
 def test_langchain_structured_output_function_calling(gateway: LiveGateway) -> None:
