@@ -369,17 +369,16 @@ class AdapterSlots:
         t0 = time.perf_counter()
         ticket = None
         if self.scheduler is not None:
+            # A second more than the bound: where it holds (no pin), it sends the warm-up.
+            patience = self.scheduler.max_wait_s + 1.0
             try:
-                # A second more than the bound: where it holds (no pin), it sends the warm-up.
-                ticket = await asyncio.wait_for(
-                    self.scheduler.turn(route, observe=False), self.scheduler.max_wait_s + 1.0
-                )
+                ticket = await asyncio.wait_for(self.scheduler.turn(route, observe=False), patience)
             except TimeoutError:
                 log.info(
                     "adapter %s loaded, not warmed: the GPU slots stayed busy for %.0f s (a later "
                     "reload warms it)",
                     route.name,
-                    self.scheduler.max_wait_s + 1.0,
+                    patience,
                 )
                 return False
         try:

@@ -27,9 +27,13 @@ def _samples(text: str, name: str) -> list[Any]:
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
 
 
-def _settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> GatewaySettings:
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.upper().startswith("GATEWAY_")]:
         monkeypatch.delenv(name)
+
+
+def _settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> GatewaySettings:
+    _clean_env(monkeypatch)
     config = tmp_path / "gateway.yaml"
     if not config.exists():
         config.write_text("engine:\n  max_model_len: 2048\n")
@@ -78,8 +82,7 @@ def test_set_section_keeps_explicit_flags(tmp_path: Path, monkeypatch: pytest.Mo
 def test_set_value_yaml_cannot_construct_is_one_line(
     item: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
+    _clean_env(monkeypatch)
     (tmp_path / "c.yaml").write_text("routes: []\n")
     rc = cli.main(["adapters", "list", "--catalog", str(tmp_path / "c.yaml"), "--set", item])
     err = capsys.readouterr().err
@@ -184,8 +187,7 @@ def test_adapters_validate_matches_a_strict_base_model_by_the_model_path(
 ) -> None:
     """``--served-model-name base``: an adapter trained on google/gemma-3-270m-it is for the
     model at /models/gemma-3-270m-it, as the gateway itself judges it."""
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
+    _clean_env(monkeypatch)
     make_adapter(tmp_path / "adapters", "shout")
     config = tmp_path / "adapters" / "shout" / "adapter_config.json"
     config.write_text(config.read_text().replace(BASE, "google/gemma-3-270m-it"))
@@ -196,11 +198,6 @@ def test_adapters_validate_matches_a_strict_base_model_by_the_model_path(
     out, err = capsys.readouterr()
     assert (rc, out.splitlines()[-1]) == (0, "catalog OK"), err
     assert "WARNING" not in err and "REJECTED" not in err
-
-
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in os.environ if n.upper().startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
 
 
 # -- typos are one error line, never a traceback -----------------------------------------

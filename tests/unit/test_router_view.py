@@ -18,6 +18,7 @@ from gateway.metrics import RETIRED_KEPT, GatewayMetrics, RequestRecord, router_
 from tests.helpers import eventually_async
 from tests.unit.conftest import ADMIN, Serve
 from tests.unit.fakes import FakeEngine
+from tests.unit.test_adapter_slots import SlotEngine
 
 INFO_LABELS = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
 
@@ -211,15 +212,6 @@ def test_the_series_of_an_adapter_loaded_for_a_route_never_served_go_in_time() -
     assert metrics.route_label("new") == "new" and "new" not in metrics._retired
 
 
-class _PinEngine(FakeEngine):
-    def __init__(self) -> None:
-        super().__init__(words=["x"])
-        self.pinned: list[int] = []
-
-    async def pin_lora(self, lora_id: int) -> None:
-        self.pinned.append(lora_id)
-
-
 async def test_an_idle_pinned_adapter_is_running_for_the_router(
     serve: Serve, tmp_path: Path, engine_gauges: tuple[Gauge, Gauge]
 ) -> None:
@@ -227,7 +219,7 @@ async def test_an_idle_pinned_adapter_is_running_for_the_router(
     (tmp_path / "adapters.yaml").write_text(
         "routes:\n  - {name: shout, adapter: shout, pinned: true}\n  - {name: json, adapter: json}\n"
     )
-    engine = _PinEngine()
+    engine = SlotEngine()
     served = await serve(engine, engine__max_loras=4)
     await eventually_async(lambda: engine.pinned, 5, "shout pinned")
     info.labels("", "", "4").set(1.0)  # vLLM's, with no request in the engine

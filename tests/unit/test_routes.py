@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import AsyncMock
 
+import httpx
 import pytest
 
 from gateway import state
@@ -560,9 +561,10 @@ async def test_reload_adds_a_route_and_loads_its_adapter(serve: Serve, tmp_path:
     )
 
 
-async def test_a_reload_serves_the_old_table_until_the_new_adapters_are_loaded(
+async def _reload_loading_hot(
     serve: Serve, tmp_path: Path
-) -> None:
+) -> tuple[Served, GatedAdd, asyncio.Task[httpx.Response]]:
+    """A reload adding route ``hot``, held while the engine loads hot's adapter."""
     engine = GatedAdd()
     served = await serve(engine)
     make_adapter(tmp_path / "adapters", "hot")
@@ -571,6 +573,13 @@ async def test_a_reload_serves_the_old_table_until_the_new_adapters_are_loaded(
     loads = engine.adds_started
     reloading = asyncio.create_task(served.http.post("/admin/adapters/reload", headers=ADMIN))
     await eventually_async(lambda: engine.adds_started > loads, 5, "hot's adapter is loading")
+    return served, engine, reloading
+
+
+async def test_a_reload_serves_the_old_table_until_the_new_adapters_are_loaded(
+    serve: Serve, tmp_path: Path
+) -> None:
+    served, engine, reloading = await _reload_loading_hot(serve, tmp_path)
     assert_openai_error(
         await served.http.post("/v1/chat/completions", json=chat_body("hot")), 404, "model_not_found"
     )
@@ -604,32 +613,12 @@ async def test_a_symlink_loop_entry_does_not_stop_the_start(serve: Serve, tmp_pa
     await still_serves_async(served.http, "shout")
 
 
-class _GatedAdd(FakeEngine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_gate = asyncio.Event()
-        self.add_gate.set()
-        self.adds_started = 0
-
-    async def add_lora(self, lora: LoraSpec) -> None:
-        self.adds_started += 1
-        await self.add_gate.wait()
-        await super().add_lora(lora)
-
-
 async def test_a_reload_waiting_for_another_when_the_drain_starts_is_a_503(
     serve: Serve, tmp_path: Path
 ) -> None:
     """It passed the handler's drain check, then the drain began while it waited for the
     other reload: skipped, it was answered 422 ``catalog_invalid`` for a catalog that is fine."""
-    engine = _GatedAdd()
-    served = await serve(engine)
-    make_adapter(tmp_path / "adapters", "hot")
-    (tmp_path / "adapters.yaml").write_text(CATALOG + "  - {name: hot, adapter: hot}\n")
-    engine.add_gate.clear()
-    loads = engine.adds_started
-    first = asyncio.create_task(served.http.post("/admin/adapters/reload", headers=ADMIN))
-    await eventually_async(lambda: engine.adds_started > loads, 5, "the first reload holds the lock")
+    served, engine, first = await _reload_loading_hot(serve, tmp_path)  # holds the reload lock
     second = asyncio.create_task(served.http.post("/admin/adapters/reload", headers=ADMIN))
     await asyncio.sleep(0.05)
     served.gw.admission.draining = True  # SIGTERM
