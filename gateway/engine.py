@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.engine_checks import RequestChecks
-from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest
+from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, RateLimited
 from gateway.settings import EngineSettings
 from gateway.types import Chunk, LoraSpec, ModelDefaults, SamplingSpec, StepOutput, TokenLogprob
 
@@ -510,11 +510,18 @@ def _translate(exc: Exception) -> GatewayError:
         return EngineUnavailable("the engine has stopped")
     client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
     try:
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
         client_errors += (VLLMClientError,)
     except ImportError:  # vllm < 0.30 raises ValueError for bad requests
         pass
+    else:
+        # The engine's admission control (``max_num_queued_reqs``/``_tokens`` in engine_args)
+        # turning a request away: vLLM's server answers the status it carries (503), so a
+        # client or load balancer retries; no engine failure.
+        if isinstance(exc, GracefulHTTPError) and exc.http_status in (429, 503):
+            busy = RateLimited if exc.http_status == 429 else EngineUnavailable
+            return busy(exc.message)
     if isinstance(exc, client_errors):
         parameter = getattr(exc, "parameter", None)  # vLLM's VLLMValidationError names the field
         return InvalidRequest(

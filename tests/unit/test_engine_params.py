@@ -21,7 +21,7 @@ from gateway.engine import (
     model_defaults,
     one_grammar_backend,
 )
-from gateway.errors import EngineFailed, InvalidRequest
+from gateway.errors import EngineFailed, EngineUnavailable, InvalidRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.service import ChatService
 from gateway.settings import EngineSettings, LimitSettings
@@ -181,6 +181,26 @@ async def test_an_engine_finish_reason_error_is_an_engine_failure() -> None:
         async for step in engine.generate([1], _sampling_params(SamplingSpec(max_tokens=4)), "r", None):
             texts += [chunk.text for chunk in step.chunks]
     assert texts == ["a"]
+
+
+async def test_a_full_engine_queue_is_a_503_not_an_engine_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's admission control (``max_num_queued_reqs`` in ``engine.engine_args``) turns a
+    request away with a 503, as vLLM's server answers it: it was a 500 "the engine failed to
+    process the request", and an "engine error" in the log, for an engine that only was busy."""
+    from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
+
+    for refusal in (QueueOverflowError(), MaxQueuedTokensError()):
+
+        async def generate(*args: Any, refusal: Exception = refusal, **kwargs: Any) -> AsyncIterator[Any]:
+            raise refusal
+            yield
+
+        engine = _manager_on(_vllm_engine(generate=generate))
+        with pytest.raises(EngineUnavailable) as info:
+            async for _ in engine.generate([1], _sampling_params(SamplingSpec(max_tokens=4)), "r", None):
+                pass
+        assert info.value.status_code == 503 and "try again later" in info.value.message
+    assert not caplog.records
 
 
 def test_a_constrained_request_gets_the_checks_of_a_plain_one(manager: tuple[EngineManager, _Checks]) -> None:
