@@ -108,7 +108,12 @@ class EngineManager:
         engine = box.pop("engine")
         # Built outside a running loop, vLLM starts its output task lazily; one round trip
         # starts it now, so an engine failure before the first request is noticed.
-        await engine.list_loras()
+        try:
+            await engine.list_loras()
+        except BaseException:  # failed or stopped: nobody else holds it to shut it down
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(engine.shutdown))
+            raise
         return engine
 
     def _create_engine(self) -> Any:

@@ -3,6 +3,7 @@ vLLM's types only)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -370,6 +371,44 @@ async def test_a_refused_pin_keeps_the_engines_reason(caplog: pytest.LogCaptureF
     ):
         await manager.pin_lora(3)
     assert not caplog.records  # the caller logs the rejection once, with the route's name
+
+
+class _Built:
+    """An engine as ``_create_engine`` builds it, whose first round trip fails or never ends."""
+
+    def __init__(self) -> None:
+        self.answer: asyncio.Future[set[int]] = asyncio.get_running_loop().create_future()
+        self.asked = asyncio.Event()
+        self.shut_down = False
+
+    async def list_loras(self) -> set[int]:
+        self.asked.set()
+        return await self.answer
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@pytest.mark.parametrize("how", ["fails", "cancelled"])
+async def test_an_engine_whose_first_round_trip_fails_or_is_stopped_is_shut_down(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine was built, then its first ``list_loras`` failed (its engine core died) or
+    the gateway was stopped meanwhile: nobody held it, and its workers were left running."""
+    built = _Built()
+    monkeypatch.setattr(EngineManager, "_created_in_process", False)
+    manager = EngineManager(EngineSettings(model="/models/m"), Path("."))
+    monkeypatch.setattr(manager, "_create_engine", lambda: built)
+    starting = asyncio.create_task(manager.start())
+    await asyncio.wait_for(built.asked.wait(), 5)
+    if how == "fails":
+        built.answer.set_exception(RuntimeError("engine core died"))
+    else:
+        starting.cancel()
+    with pytest.raises((RuntimeError, asyncio.CancelledError)):
+        await starting
+    assert built.shut_down
+    await manager.shutdown()  # nothing left to stop
 
 
 def test_secret_engine_args_are_not_logged(
