@@ -23,6 +23,7 @@ from typing import IO
 from gateway.adapters_check import adapter_digest, engine_files
 
 _LOCK = ".lock"
+_STAGING = ".new-"  # a process's folder until it holds its lock
 
 
 class SnapshotDir:
@@ -31,9 +32,13 @@ class SnapshotDir:
     def __init__(self, root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(root)
-        self.path = Path(tempfile.mkdtemp(prefix="run-", dir=root))
-        self._lock: IO[str] = (self.path / _LOCK).open("w")
+        # Locked before it is named ``run-*``: a gateway starting beside this one takes a
+        # ``run-*`` folder whose lock is free for an abandoned one, and removes it.
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=root))
+        self._lock: IO[str] = (staging / _LOCK).open("w")
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path = root / f"run-{staging.name.removeprefix(_STAGING)}"
+        staging.rename(self.path)
 
     def copy(self, adapter: Path, digest: str | None = None) -> tuple[Path, str]:
         """A copy of ``adapter`` named by its digest, and the digest. Unchanged files cost a

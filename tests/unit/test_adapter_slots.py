@@ -486,6 +486,35 @@ def test_gateways_sharing_a_cache_keep_each_others_copies(tmp_path: Path) -> Non
     third.close()
 
 
+def test_a_gateway_starting_beside_another_never_takes_its_folder_for_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another gateway on the same cache_dir started between this one's making its folder and
+    locking it: it saw a ``run-*`` folder with a free lock and removed it, and this one failed
+    to start ("cannot write under cache_dir") or lost every adapter copy it then made."""
+    import tempfile
+
+    from gateway import snapshots
+
+    made = tempfile.mkdtemp
+
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+        folder = made(*args, **kwargs)
+        snapshots._remove_abandoned(tmp_path)  # the other gateway's start, at this moment
+        return folder
+
+    monkeypatch.setattr(snapshots.tempfile, "mkdtemp", mkdtemp)
+    first = SnapshotDir(tmp_path)
+    monkeypatch.undo()
+    assert first.path.is_dir() and first.path.name.startswith("run-")
+    second = SnapshotDir(tmp_path)  # a later start still sees it alive
+    assert first.path.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [first.path.name, second.path.name]
+    )
+    first.close()
+    second.close()
+
+
 # -- the engine's CPU cache of adapters (engine.max_cpu_loras) --------------------------
 def weights(root: Path, name: str, size: int) -> Path:
     path = root / name
