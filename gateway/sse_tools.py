@@ -15,7 +15,8 @@ Streaming, per choice:
   goes out at once, as for ``named``. An answer cut short before any name is sent as
   content, unless its head went out: then the call stays, with the arguments so far.
 - ``auto``: an answer whose first non-blank character can open a call (``tools.CALL_OPENERS``)
-  is buffered and parsed when the choice ends. One that opens with text streams as content
+  is buffered and parsed when the choice ends, on a route whose ``tool_parser`` reads calls
+  (under ``none`` every answer is text, and streams so). One that opens with text streams as content
   as it comes, less what may still turn out to be followed by calls (``tools.settled_content``:
   trailing blanks, and a line from where JSON that may be calls ending the answer starts),
   which waits for more text or the end; the deltas add up to the whole response's content.
@@ -137,7 +138,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
             return self._required_chunk(c, state, logprobs)
         state.text += c.text
         text = state.text
-        if self._plan.mode == "auto" and text.strip() and not text.lstrip().startswith(CALL_OPENERS):
+        if self._plan.mode == "auto" and text.strip() and not self._may_open_calls(text):
             state.streaming_text = True
         if c.finish_reason is not None:
             return self._calls_events(c.index, text, logprobs, c.finish_reason, state.sent)
@@ -150,6 +151,11 @@ class ToolChatEncoder(OpenAIChatEncoder):
         if piece or logprobs is not None:
             return self._event(c.index, {"content": piece} if piece else {}, logprobs)
         return b""
+
+    def _may_open_calls(self, text: str) -> bool:
+        """Whether an ``auto`` answer may yet be read as calls from its start: only where the
+        route's parser reads calls (``tool_parser: none`` reads none, so its text flows)."""
+        return self._parser == "json" and text.lstrip().startswith(CALL_OPENERS)
 
     def _required_chunk(self, c: Chunk, state: _ChoiceState, logprobs: Any) -> bytes:
         """Each call's name as soon as it is complete, then its arguments as they grow."""

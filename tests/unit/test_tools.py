@@ -692,13 +692,14 @@ def test_parser_reads_back_a_turn_with_text_and_calls_as_the_template_writes_it(
 
 
 # -- the stream encoder and whole responses, with the fake engine -----------------------
-def make_gen(words: list[str], n: int = 1, **kw: Any) -> Any:
+def make_gen(words: list[str], n: int = 1, tool_parser: Any = "json", **kw: Any) -> Any:
     from gateway.catalog import Catalog, Route, RoutingTable
     from gateway.service import Generation
     from gateway.types import SamplingSpec
     from tests.unit.fakes import FakeEngine
 
-    table = RoutingTable(base=Route(name="base-model", kind="base"), routes={}, errors={})
+    base = Route(name="base-model", kind="base", tool_parser=tool_parser)
+    table = RoutingTable(base=base, routes={}, errors={})
     spec = SamplingSpec(max_tokens=kw.pop("max_tokens", 50), n=n, temperature=1.0)
     gen = Generation(
         FakeEngine(words=words), Catalog(lambda ids: table).acquire(None), [1, 2], spec, spec, "chatcmpl"
@@ -912,6 +913,16 @@ async def test_auto_stream_plain_text_flows_at_once() -> None:
     assert contents == [None, "It", " is", " sunny."]
     msg = assemble(chunks)[0]
     assert msg["content"] == "It is sunny." and msg["tool_calls"] == {} and msg["finish_reason"] == "stop"
+
+
+async def test_auto_stream_on_a_route_that_reads_no_calls_flows_whatever_it_opens_with() -> None:
+    """Under ``tool_parser: none`` an answer is text however it starts: a code block, a JSON
+    object or a call's shape streamed nothing until the choice ended, then all at once."""
+    for words in (["```", "python\n", "print(1)", "\n```"], ['{"name": "add",', ' "arguments": {}}']):
+        chunks = await stream_chunks(make_gen(words, tool_parser="none"))
+        assert [c["choices"][0]["delta"].get("content") for c in chunks] == [None, *words]
+        msg = assemble(chunks)[0]
+        assert msg["tool_calls"] == {} and msg["finish_reason"] == "stop"
 
 
 async def test_auto_stream_call_is_buffered_and_parsed() -> None:
