@@ -173,8 +173,8 @@ class ResponseToolEncoder(ResponseEventEncoder):
         self.answer += c.text
         text, out = self.answer, b""
         if not self.streaming_text:
-            if not text.strip() or text.lstrip().startswith(CALL_OPENERS):
-                return b""  # may be calls: read when it ends
+            if not text.strip() or (self.parser == "json" and text.lstrip().startswith(CALL_OPENERS)):
+                return b""  # may be calls: read when it ends (``tool_parser: none`` reads none)
             self.streaming_text = True
             out = self._open(self._message())
         end = len(text)

@@ -4,11 +4,13 @@ whose words are the model's answer: the items and typed events a client assemble
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.catalog import Catalog, Route
 from gateway.types import Constraint
 from tests.unit.test_responses_app import FailingEngine, ReadyEngine, make_app, message_events, prompt_of, sdk
 
@@ -67,6 +69,20 @@ def test_auto_plain_answer_is_a_message_and_streams_at_once() -> None:
     assert kinds(events) == message_events(3)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert final.output_text == "Sunny today." and final.output[0].type == "message"
+
+
+def test_auto_stream_on_a_route_that_reads_no_calls_flows_whatever_it_opens_with() -> None:
+    """Under ``tool_parser: none`` an answer is text however it starts: one opening with a
+    code block or a call's shape sent nothing until the answer ended, then all at once."""
+    http, _ = app(CALL)
+    table = http.app.state.gateway.catalog.table  # type: ignore[attr-defined]
+    plain = Route(name="plain", kind="preset", tool_parser="none")
+    http.app.state.gateway.catalog = Catalog(lambda ids: replace(table, routes={"plain": plain}))  # type: ignore[attr-defined]
+    with sdk(http).responses.stream(model="plain", input="Weather?", tools=[WEATHER]) as stream:
+        events, final = list(stream), stream.get_final_response()
+    assert kinds(events) == message_events(len(CALL))
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == CALL
+    assert final.output_text == "".join(CALL) and [o.type for o in final.output] == ["message"]
 
 
 def test_auto_stream_of_a_call_is_read_at_the_end() -> None:
