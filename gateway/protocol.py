@@ -359,13 +359,6 @@ class ChatCompletionRequest(SamplingFields):
         no_empty_tools(self.tools)
         return self
 
-    @field_validator("messages")
-    @classmethod
-    def _needs_a_turn(cls, messages: list[Message]) -> list[Message]:
-        if all(m.role in ("system", "developer") for m in messages):
-            raise ValueError("messages must contain at least one user or assistant message")
-        return messages
-
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -148,11 +148,13 @@ async def test_a_nested_field_is_named_by_its_path() -> None:
 
 
 async def test_a_validator_message_loses_pydantics_prefix() -> None:
-    req, _ = request([b'{"messages": [{"role": "system", "content": "x"}]}'])
+    req, _ = request([b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'])
     with pytest.raises(InvalidRequest) as info:
         await read_json(req, ChatCompletionRequest, limits(10_000))
-    assert info.value.param == "messages"
-    assert info.value.message == "messages: messages must contain at least one user or assistant message"
+    assert info.value.param == "messages.0.content"
+    assert info.value.message == (
+        "messages.0.content: 'image_url' content parts are not supported by this model (text only)"
+    )
 
 
 async def test_a_body_that_stalls_is_408_within_the_body_timeout() -> None:

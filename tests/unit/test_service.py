@@ -254,7 +254,6 @@ async def test_bad_template_is_400() -> None:
     [
         {"messages": []},
         {"messages": [{"role": "wizard", "content": "x"}]},
-        {"messages": [{"role": "system", "content": "only system"}]},
         {"messages": [{"role": "user", "content": 5}]},
         {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
         {"messages": [{"role": "user", "content": "x"}], "temperature": float("nan")},
