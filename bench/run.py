@@ -236,11 +236,14 @@ class Bench:
         return Server(target, cmd, port, ready, env, self.out / "logs" / f"{label}.log")
 
     def ready(self, server: Server, label: str) -> None:
-        """Wait for a launched server; then the cold-adapter probe, the warm-ups, idle RSS."""
+        """Wait for a launched server and record its startup time."""
         server.wait_ready(self.p["start_timeout_s"])
-        info = self.result["servers"][label]
-        info["startup_s"] = server.startup_s
+        self.result["servers"][label]["startup_s"] = server.startup_s
         log(f"{label} ready in {server.startup_s:.0f} s")
+
+    def prepare(self, server: Server, label: str) -> None:
+        """On a ready server: the cold-adapter probe, the warm-ups, idle RSS."""
+        info = self.result["servers"][label]
         if self.args.cold:
             info["cold"] = cold_probe(
                 server.base_url,
@@ -271,6 +274,7 @@ class Bench:
         try:
             server.launch()
             self.ready(server, label)
+            self.prepare(server, label)
             for mix in self.mixes:
                 for c in self.plan[mix]:
                     if self.past_budget():
@@ -299,8 +303,12 @@ class Bench:
                 server.launch()
                 if len(servers) < len(set(order)):
                     server.wait_log(KV_SIZED, self.p["start_timeout_s"])
+            # Every server is up before any is probed or warmed: a server still starting takes
+            # the cores (and the GPU) that the other's cold-adapter probe is timed on.
             for target, server in servers.items():
                 self.ready(server, target)
+            for target, server in servers.items():
+                self.prepare(server, target)
             for mix in self.mixes:
                 for c in self.plan[mix]:
                     # The budget is judged once a point, before its first pass: all of its passes

@@ -348,6 +348,7 @@ def test_a_point_past_the_budget_runs_no_pass_at_all() -> None:
 
     bench.make_server = lambda target, label: Server()  # type: ignore[method-assign,assignment,return-value]
     bench.ready = lambda server, label: None  # type: ignore[method-assign]
+    bench.prepare = lambda server, label: None  # type: ignore[method-assign]
     bench.point = point  # type: ignore[method-assign]
     bench.past_budget = lambda: len(bench.result["points"]) >= 3  # type: ignore[method-assign]
     bench.run_together(["vllm", "gateway", "gateway", "vllm"])
@@ -358,6 +359,80 @@ def test_a_point_past_the_budget_runs_no_pass_at_all() -> None:
         (64, "vllm", 2),
     ]
     assert bench.result["notes"] == ["lora16 c=256 skipped: past --budget-s"]
+
+
+def test_together_probes_no_server_while_another_is_still_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--together launches the gateway once vLLM has sized its KV cache; vLLM's cold-adapter
+    probe and warm-ups then ran as soon as vLLM was ready, while the gateway's engine was still
+    loading on the same cores and GPU. Every server is ready before any is probed."""
+    from argparse import Namespace
+
+    from bench import run as bench_run
+
+    events: list[tuple[str, str]] = []
+    bench = bench_run.Bench.__new__(bench_run.Bench)
+    bench.args = Namespace(budget_s=0, cold=True, cold_tokens=8)
+    bench.mixes, bench.plan = ["lora16"], {"lora16": [64]}
+    bench.result = {"notes": [], "points": [], "servers": {}}
+    bench.p = {"start_timeout_s": 1, "served_name": "base"}
+    bench.run_id, bench.maker, bench.api_key = "r", None, "k"
+    bench.save = lambda png=False: None  # type: ignore[method-assign]
+
+    class Proc:
+        pid = 1
+
+    class Server:
+        def __init__(self, label: str) -> None:
+            self.label, self.base_url, self.proc, self.startup_s = label, label, Proc(), 1.0
+
+        def launch(self) -> None:
+            events.append(("launch", self.label))
+
+        def stop(self) -> None: ...
+
+        def wait_log(self, *_: Any) -> bool:
+            return True
+
+        def wait_ready(self, *_: Any) -> None:
+            events.append(("ready", self.label))
+
+    class Sampler:
+        def __init__(self, pid: int) -> None: ...
+
+        def sample(self) -> None:
+            return None
+
+    def make_server(target: str, label: str) -> Server:
+        bench.result["servers"][label] = {}
+        return Server(label)
+
+    def probe(url: str, *_: Any) -> dict[str, Any]:
+        events.append(("probe", url))
+        return {
+            "cold_ttft_ms_median": 1.0,
+            "warm_ttft_ms_median": 1.0,
+            "cold_ttft_ms": [],
+            "warm_ttft_ms": [],
+        }
+
+    monkeypatch.setattr(bench_run, "cold_probe", probe)
+    monkeypatch.setattr(bench_run, "ProcessSampler", Sampler)
+    bench.make_server = make_server  # type: ignore[method-assign,assignment]
+    bench.warm_up = lambda server, label, mix: events.append(("warm", label))  # type: ignore[method-assign]
+    bench.point = lambda *a, **k: None  # type: ignore[method-assign]
+    bench.run_together(["vllm", "gateway", "gateway", "vllm"])
+    assert not bench.result["notes"]
+    assert events == [
+        ("launch", "vllm"),
+        ("launch", "gateway"),
+        ("ready", "vllm"),
+        ("ready", "gateway"),
+        ("probe", "vllm"),
+        ("warm", "vllm"),
+        ("probe", "gateway"),
+        ("warm", "gateway"),
+    ]
+    assert bench.result["servers"]["gateway"]["startup_s"] == 1.0
 
 
 def test_the_failure_line_names_each_points_own_counts() -> None:
