@@ -141,16 +141,21 @@ def cold_probe(
     loads them from disk on either server. The gateway's catalog here has no ``preload``."""
     from bench.client import Job, drive, run_loop
 
-    def one(model: str, k: int) -> float | None:
+    failed: list[str] = []  # an adapter with a failed request is left out of the medians: said here
+
+    def one(model: str, k: int, what: str) -> float | None:
         jobs = [Job(model, maker.content(seed + k))]
         (res,), _ = run_loop(drive(base_url, jobs, 1, max_tokens, api_key, "plain"))
-        return None if not res.ok or res.ttft is None else res.ttft * 1000
+        if not res.ok or res.ttft is None:
+            failed.append(f"{model} {what}: {res.error or 'no output'}"[:200])
+            return None
+        return float(res.ttft * 1000)
 
-    one(served_name, 0)
+    one(served_name, 0, "base")
     cold: list[float] = []
     warm: list[float] = []
     for i, name in enumerate(COLD_ADAPTERS):
-        c, w = one(name, 2 * i + 1), one(name, 2 * i + 2)
+        c, w = one(name, 2 * i + 1, "cold"), one(name, 2 * i + 2, "warm")
         if c is not None and w is not None:
             cold.append(c)
             warm.append(w)
@@ -160,6 +165,7 @@ def cold_probe(
         "warm_ttft_ms": warm,
         "cold_ttft_ms_median": median(cold),
         "warm_ttft_ms_median": median(warm),
+        "failed": failed,
         "preload": False,
     }
 
@@ -248,6 +254,11 @@ def cold_lines(result: dict[str, Any]) -> list[str]:
     ]
     if not rows:
         return []
+    failed = [
+        f"{label}: {'; '.join(c['failed'])}"
+        for label, info in result.get("servers", {}).items()
+        if (c := info.get("cold")) and c.get("failed")
+    ]
     return [
         "",
         "Cold adapters (each fresh server, before any warm-up, one request at a time: a base request, then "
@@ -257,6 +268,15 @@ def cold_lines(result: dict[str, Any]) -> list[str]:
         "| server | adapters | cold TTFT median ms | warm TTFT median ms | cold each | warm each |",
         "|---|---|---|---|---|---|",
         *rows,
+        *(
+            [
+                "",
+                "Cold probe requests that failed (their adapter is left out of the medians): "
+                + "; ".join(failed),
+            ]
+            if failed
+            else []
+        ),
     ]
 
 

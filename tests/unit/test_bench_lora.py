@@ -16,6 +16,7 @@ from bench.lora import (
     adapter_fields,
     adapter_lines,
     cold_lines,
+    cold_probe,
     lora_goals,
     mix_models,
     per_adapter,
@@ -199,6 +200,31 @@ def test_cold_lines_report_each_servers_medians() -> None:
     }
     text = "\n".join(cold_lines({"servers": {"vllm": {"cold": cold}, "gateway": {}}}))
     assert "| vllm | a0, a1 | 320.0 | 31.0 | 300 / 340 | 30 / 32 |" in text and "| gateway |" not in text
+
+
+def test_a_failed_cold_probe_request_is_reported_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold request that failed left its adapter out of the medians, and the report said nothing:
+    a server failing its slowest (cold) request showed a better median."""
+    from bench import client
+
+    def drive(url: str, jobs: list[Any], *_: Any) -> tuple[list[RequestResult], float]:
+        fail = jobs[0].model == "a0" and "a0" not in seen
+        seen.add(jobs[0].model)
+        res = RequestResult(ok=not fail, ttft=None if fail else 0.05, model=jobs[0].model)
+        res.error = "HTTP 503: busy" if fail else ""
+        return [res], 0.0
+
+    class Maker:
+        def content(self, seed: int) -> str:
+            return "x"
+
+    seen: set[str] = set()
+    monkeypatch.setattr(client, "drive", drive)
+    monkeypatch.setattr(client, "run_loop", lambda x: x)
+    cold = cold_probe("http://x", "k", "base", Maker(), 0, 8)
+    assert (len(cold["cold_ttft_ms"]), cold["failed"]) == (3, ["a0 cold: HTTP 503: busy"])
+    text = "\n".join(cold_lines({"servers": {"gateway": {"cold": cold}}}))
+    assert text.endswith("left out of the medians): gateway: a0 cold: HTTP 503: busy")
 
 
 def test_compare_skips_concurrencies_a_mix_did_not_run() -> None:
