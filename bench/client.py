@@ -11,7 +11,8 @@ with one deliberate difference in where TTFT stops (see below):
 - duration: from the point's first request to its last response byte.
   req/s = completed / duration; output tok/s = sum(usage.completion_tokens) / duration.
 - TTFT: request sent -> first SSE event whose delta carries text (or a finish_reason);
-  text is ``content``, or for ``--shape tools`` a tool call's name or arguments.
+  text is ``content``, or for ``--shape tools`` a tool call's arguments (not its head: the
+  gateway sends the id and name of a required call before the engine has run).
   ``vllm bench serve`` stops at the first event with ``choices``; the gateway sends its
   role event (``{"role":"assistant","content":""}``) before the engine has done anything,
   while vLLM's server sends it with the first token, so that rule would flatter the gateway.

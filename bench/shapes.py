@@ -69,18 +69,19 @@ def shape_fields(shape: str) -> dict[str, Any]:
 
 def delta_parts(delta: dict[str, Any]) -> tuple[str, str, bool]:
     """(content, tool-call arguments, carries output) of one streamed ``delta``. An event
-    carries output when it has content, or a tool call with a name or arguments; the role
-    event (``{"role": "assistant", "content": ""}``) carries none."""
+    carries output when it has content or a tool call's arguments: what the engine wrote.
+    The role event (``{"role": "assistant", "content": ""}``) carries none, nor does a call's
+    head (id, name) alone: under ``tool_choice: required`` with one function the gateway
+    sends it before the engine has run, as it does the role event."""
     content = delta.get("content") or ""
     args = []
-    named = False
+    carries = bool(content)
     for call in delta.get("tool_calls") or ():
         fn = call.get("function") or {}
         if call.get("index", 0) == 0:
             args.append(fn.get("arguments") or "")
-        named = named or bool(fn.get("name") or fn.get("arguments"))
-    arguments = "".join(args)
-    return content, arguments, bool(content) or named
+        carries = carries or bool(fn.get("arguments"))
+    return content, "".join(args), carries
 
 
 def answer_valid(shape: str, content: str, arguments: str) -> bool | None:
