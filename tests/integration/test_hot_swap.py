@@ -24,6 +24,20 @@ def admin(gw: LiveGateway) -> dict[str, object]:
     return gw.admin().get("/admin/adapters").json()  # type: ignore[no-any-return]
 
 
+def answer(gw: LiveGateway, model: str) -> str:
+    with gw.client() as http:
+        r = http.post(
+            "/v1/chat/completions", json=chat_body(model, "Name a color.", max_tokens=12, temperature=0)
+        )
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def shouted(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isupper() for c in letters) >= 0.8 * len(letters)
+
+
 def reloads_settled(gw: LiveGateway, quiet: float = 0.5) -> bool:
     before = admin(gw)["reloads"]
     time.sleep(quiet)
@@ -74,6 +88,7 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         workers.append(asyncio.create_task(load(gateway, ["hot", "hot-alias"], stop, results)))
         first_digest = models(gateway)["hot"]["digest"]
         assert first_digest == models(gateway)["shout"]["digest"]  # same files, same version
+        assert shouted(loud := answer(gateway, "hot")), loud  # the engine runs shout's weights
         await asyncio.sleep(1.5)
 
         # 2. Changed adapter files: a new digest (a new LoRA id), picked up without a restart.
@@ -84,6 +99,7 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
             lambda: models(gateway)["hot"]["digest"] != first_digest, SWAP_DEADLINE_S, "a new digest"
         )
         assert models(gateway)["hot"]["digest"] == models(gateway)["json"]["digest"]
+        assert not shouted(quiet := answer(gateway, "hot")), quiet  # and now json's, not shout's
         await asyncio.sleep(1.5)
 
         # 3. A save caught half-way (an editor truncates, then writes) is an error, not "no routes";
@@ -109,6 +125,9 @@ async def test_swap_under_load(gateway: LiveGateway) -> None:
         gateway.catalog.write_text(original)
         await eventually_async(lambda: "hot" not in models(gateway), SWAP_DEADLINE_S, "the route gone")
         assert admin(gateway)["last_error"] is None
+        for gone in ("hot", "hot-alias"):
+            r = gateway.client().post("/v1/chat/completions", json=chat_body(gone, max_tokens=2))
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
         workers.pop().cancel()  # the 'hot' worker would now only see 404s
         await asyncio.sleep(1.0)
     finally:
