@@ -106,14 +106,15 @@ def test_models_show_kind_digest_rank(gateway: LiveGateway) -> None:
 
 
 def test_preset_applies_its_system_prompt(client: openai.OpenAI, base_model: str) -> None:
-    raw = client.chat.completions.with_raw_response.create(
-        model="brief", messages=[{"role": "user", "content": QUESTION}]
+    raw = client.chat.completions.with_raw_response.create(  # no early stop: only max_tokens ends it
+        model="brief", messages=[{"role": "user", "content": QUESTION}], extra_body={"ignore_eos": True}
     )
     assert raw.headers["x-adapter"] == "concise"
     assert "x-adapter-digest" not in raw.headers
     r = raw.parse()
     assert r.model == "concise"
-    assert r.usage is not None and r.usage.completion_tokens <= 48  # the preset's max_tokens default
+    assert r.usage is not None and r.usage.completion_tokens == 48  # the preset's max_tokens default
+    assert r.choices[0].finish_reason == "length"
     base = client.chat.completions.create(
         model=base_model, messages=[{"role": "user", "content": QUESTION}], max_tokens=2
     )
