@@ -234,10 +234,13 @@ def test_batched_prompts_are_one_choice_per_prompt_and_n(http: httpx.Client) -> 
     ).json()
     assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in both["choices"]]
 
-    n2 = http.post(
-        "/v1/completions", json=completion_body("base", prompts, max_tokens=3, n=2, temperature=0.8, seed=1)
+    n2 = http.post(  # echoed, so that each choice says which prompt it continues
+        "/v1/completions",
+        json=completion_body("base", prompts, max_tokens=3, n=2, temperature=0.8, seed=1, echo=True),
     ).json()
     assert [c["index"] for c in n2["choices"]] == [0, 1, 2, 3]
+    for c in n2["choices"]:  # prompt-major: choice p * n + copy
+        assert c["text"].startswith(prompts[c["index"] // 2]), n2["choices"]
     assert all(c["finish_reason"] in ("stop", "length") for c in n2["choices"])
 
 
