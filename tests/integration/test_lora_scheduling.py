@@ -24,15 +24,19 @@ def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
 
 
 def test_three_adapters_share_one_slot(one_slot: LiveGateway) -> None:
-    def ask(model: str) -> tuple[str, int, str]:
+    def ask(model: str) -> tuple[str, int, str, str]:
         with one_slot.client() as client:
             r = client.post("/v1/chat/completions", json=chat_body(model, "Name a colour.", max_tokens=16))
-            return model, r.status_code, r.headers.get("x-adapter", "")
+            text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+            return model, r.status_code, r.headers.get("x-adapter", ""), text
 
     with ThreadPoolExecutor(len(ROUTES) * 3) as pool:
         answers = list(pool.map(ask, [m for _ in range(3) for m in ROUTES]))
-    assert all(status == 200 for _, status, _ in answers), answers
-    assert all(adapter == model for model, _, adapter in answers), answers
+    assert all(status == 200 for _, status, _, _ in answers), answers
+    assert all(adapter == model for model, _, adapter, _ in answers), answers
+    # The header names the route; the text shows which weights ran: shout's answers, and only
+    # those, are in capitals.
+    assert all(shouted(text) == (model == "shout") for model, _, _, text in answers), answers
 
     with one_slot.client() as client:
         metrics = client.get("/metrics").text
@@ -89,6 +93,11 @@ def test_a_pinned_slot_survives_more_unpinned_adapters_than_slots(pinned: LiveGa
     assert all(status == 200 for _, status in answers), (answers, pinned.log_tail())
     status = pinned.status()
     assert status["engine_ready"] is True and status["lora_scheduler"]["slots"] == 1
+
+
+def shouted(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isupper() for c in letters) >= 0.8 * len(letters)
 
 
 def _sample(metrics: str, name: str, route: str | None = None, labels: str = "") -> float:
