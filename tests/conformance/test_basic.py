@@ -58,7 +58,14 @@ async def test_request_cancellation(gateway: LiveGateway) -> None:
     for task in done:
         with pytest.raises(openai.APITimeoutError):
             task.result()
-    eventually(lambda: gateway.status()["engine_unfinished_requests"] == 0, 30, "every request aborted")
+
+    # Nothing left in the engine, nor in the gateway on its way there (a request not yet in
+    # the engine at the first look must not reach it later).
+    def settled() -> bool:
+        status = gateway.status()
+        return status["engine_unfinished_requests"] == 0 and status["inflight_requests"] == 0
+
+    eventually(settled, 30, "every request aborted", lambda: str(gateway.status()))
     async with openai.AsyncOpenAI(base_url=gateway.v1, api_key=USER_KEY, max_retries=0) as client:
         r = await client.chat.completions.create(messages=messages, model=BASE, max_tokens=10)  # type: ignore[arg-type]
     assert len(r.choices) == 1
