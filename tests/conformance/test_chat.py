@@ -203,6 +203,7 @@ async def test_chat_completion_stream_options(client: openai.AsyncOpenAI, model_
     stream = await client.chat.completions.create(
         **common, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False}
     )
+    usage_chunks = 0
     async for chunk in stream:
         assert chunk.usage is None
         if chunk.choices[0].finish_reason is not None:
@@ -211,6 +212,8 @@ async def test_chat_completion_stream_options(client: openai.AsyncOpenAI, model_
             assert final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
             assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
             assert final.choices == []
+            usage_chunks += 1
+    assert usage_chunks == 1  # a finish_reason came, and the usage chunk after it
 
     for options in ({"include_usage": None}, {"include_usage": True}):
         await refused(client.chat.completions.create(**common, stream=False, stream_options=options))  # type: ignore[call-overload]

@@ -211,6 +211,7 @@ async def test_completion_stream_options(client: openai.AsyncOpenAI) -> None:
     stream = await client.completions.create(
         **common, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False}
     )
+    usage_chunks = 0
     async for chunk in stream:
         assert chunk.usage is None
         if chunk.choices[0].finish_reason is not None:
@@ -219,6 +220,8 @@ async def test_completion_stream_options(client: openai.AsyncOpenAI) -> None:
             assert final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
             assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
             assert final.choices == []
+            usage_chunks += 1
+    assert usage_chunks == 1  # a finish_reason came, and the usage chunk after it
 
     await refused(
         client.completions.create(
@@ -239,7 +242,8 @@ async def test_batch_completions(client: openai.AsyncOpenAI) -> None:
     """vLLM completion/test_completion.py::test_batch_completions. Differences: beam search
     (``use_beam_search``) is refused (400); ``n > 1`` at temperature 0 (a 400 on vLLM's server)
     is answered as OpenAI answers it, each choice the same greedy text; sampled ``n=2`` checks
-    the ``prompt * n + choice`` layout too."""
+    the indices (the two prompts are the same text, so which prompt a choice continues, the
+    ``prompt * n + choice`` layout, is checked in tests/integration/test_edges.py)."""
     for prompts in (["Hello, my name is"] * 2, [PAD5] * 2):
         batch = await client.completions.create(model=BASE, prompt=prompts, max_tokens=5, temperature=0.0)
         assert len(batch.choices) == 2
