@@ -90,6 +90,7 @@ async def test_structured_outputs_choice_chat_logprobs(client: openai.AsyncOpenA
     )
     logprobs = r.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
+    assert len(logprobs.content[0].top_logprobs) == 5
     for item in logprobs.content[0].top_logprobs:
         assert item.logprob >= -9999.0  # OpenAI's floor
 
