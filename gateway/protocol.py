@@ -63,7 +63,7 @@ class _Request(BaseModel):
             if not _harmless(extra.get(name)):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
         for name in VLLM_UNIMPLEMENTED:
-            if not _asks_nothing(extra.get(name)):
+            if not _asks_nothing(extra.get(name)) and not _at_number_default(name, extra.get(name)):
                 raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
         for name, default in VLLM_DEFAULT_ONLY.items():
             if extra.get(name) not in (None, default):
@@ -140,6 +140,9 @@ VLLM_UNIMPLEMENTED = (
     "truncation_side",
     "vllm_xargs",
 )
+# Those of them whose vLLM default is a number: sent at it, the field asks nothing (a client
+# that sends a whole vLLM request sends ``length_penalty: 1.0``).
+_VLLM_NUMBER_DEFAULTS: dict[str, float] = {"length_penalty": 1.0}
 # vLLM's fields that this gateway only has at their default: any other value is a 400.
 VLLM_DEFAULT_ONLY: dict[str, object] = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
 
@@ -170,6 +173,12 @@ def _asks_nothing(value: Any) -> bool:
     """Absent, null, false or empty: a vLLM field at its default. (0 and 1 ask for
     something here: ``prompt_logprobs: 0`` is the prompt's own logprobs.)"""
     return value is None or value is False or (isinstance(value, list | dict) and not value)
+
+
+def _at_number_default(name: str, value: Any) -> bool:
+    """``value`` is vLLM's numeric default for ``name`` (by type too: ``True == 1``)."""
+    default = _VLLM_NUMBER_DEFAULTS.get(name)
+    return default is not None and type(value) in (int, float) and value == default
 
 
 def _harmless(value: Any) -> bool:

@@ -130,6 +130,8 @@ def test_top_logprobs_needs_logprobs_and_stream_options_need_stream() -> None:
         ("prompt_logprobs", 0),
         ("prompt_logprobs", 1),
         ("use_beam_search", True),
+        ("length_penalty", 2.0),
+        ("length_penalty", True),
         ("truncate_prompt_tokens", 4),
         ("return_token_ids", True),
         ("continue_final_message", True),
@@ -149,6 +151,7 @@ def test_a_prompt_of_the_wrong_type_names_prompt(prompt: Any) -> None:
 def test_vllm_fields_at_their_defaults_are_accepted() -> None:
     quiet = {
         "use_beam_search": False,
+        "length_penalty": 1.0,  # vLLM's default: a client sending a whole vLLM request got a 400
         "prompt_logprobs": None,
         "stop_token_ids": [],
         "chat_template_kwargs": {},
@@ -161,6 +164,18 @@ def test_vllm_fields_at_their_defaults_are_accepted() -> None:
         refused(chat, stream=True, stream_options={"continuous_usage_stats": True})
         == "stream_options.continuous_usage_stats"
     )
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+async def test_length_penalty_at_vllms_default_is_served(serve: Serve, path: str) -> None:
+    bodies = {"/v1/chat/completions": chat_body("base"), "/v1/completions": {"model": "base", "prompt": "Hi"}}
+    body = bodies.get(path, {"model": "base", "input": "Hi"})
+    served = await serve()
+    for value in (1.0, 1):
+        r = await served.http.post(path, json={**body, "length_penalty": value})
+        assert r.status_code == 200, r.text
+    r = await served.http.post(path, json={**body, "length_penalty": 2.0})
+    assert assert_openai_error(r, 400)["param"] == "length_penalty"
 
 
 @pytest.mark.parametrize(
