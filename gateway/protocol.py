@@ -63,10 +63,13 @@ class _Request(BaseModel):
             if not _harmless(extra.get(name)):
                 raise InvalidRequest(f"'{name}' is not supported by this gateway", param=name)
         for name in VLLM_UNIMPLEMENTED:
-            if not _asks_nothing(extra.get(name)) and not _at_number_default(name, extra.get(name)):
+            value = extra.get(name)
+            if _asks_nothing(value) or _at_number_default(name, value):
+                continue
+            if name not in _VLLM_BOOLS or not _reads_as(value, False):
                 raise InvalidRequest(f"{name}: vLLM's '{name}' is not supported by this gateway", param=name)
         for name, default in VLLM_DEFAULT_ONLY.items():
-            if extra.get(name) not in (None, default):
+            if extra.get(name) is not None and not _reads_as(extra.get(name), default):
                 raise InvalidRequest(
                     f"{name}: only {str(default).lower()} is supported by this gateway", param=name
                 )
@@ -75,6 +78,15 @@ class _Request(BaseModel):
 
 
 _BOOL = TypeAdapter(bool)
+
+
+def _reads_as(value: Any, default: bool) -> bool:
+    """``value`` is ``default`` as vLLM's request model reads a bool (``0``, ``"false"`` and
+    ``"off"`` are false there, ``1`` and ``"true"`` true); a value that is no bool is not."""
+    try:
+        return _BOOL.validate_python(value) is default
+    except ValidationError:
+        return False
 
 
 def _generation_prompt(value: Any) -> bool:
@@ -143,8 +155,20 @@ VLLM_UNIMPLEMENTED = (
 # Those of them whose vLLM default is a number: sent at it, the field asks nothing (a client
 # that sends a whole vLLM request sends ``length_penalty: 1.0``).
 _VLLM_NUMBER_DEFAULTS: dict[str, float] = {"length_penalty": 1.0}
-# vLLM's fields that this gateway only has at their default: any other value is a 400.
-VLLM_DEFAULT_ONLY: dict[str, object] = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
+# Those that vLLM types as a bool: its default, false, is any value vLLM reads as false (0, "false").
+_VLLM_BOOLS = frozenset(
+    {
+        "use_beam_search",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+        "continue_final_message",
+        "return_token_offsets",
+        "return_prompt_text",
+        "watermarking",
+    }
+)
+# vLLM's bools that this gateway only has at their default: any other value is a 400.
+VLLM_DEFAULT_ONLY: dict[str, bool] = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
 
 
 def null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
@@ -363,7 +387,7 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequest(
                 "add_generation_prompt: false is not supported by this gateway", param="add_generation_prompt"
             )
-        if extra.get("echo") not in (None, False):
+        if extra.get("echo") is not None and not _reads_as(extra.get("echo"), False):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
         no_empty_tools(self.tools)
         return self

@@ -166,6 +166,29 @@ def test_vllm_fields_at_their_defaults_are_accepted() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("use_beam_search", 0),
+        ("use_beam_search", "false"),
+        ("return_token_ids", "off"),
+        ("watermarking", "false"),
+        ("skip_special_tokens", "true"),
+        ("spaces_between_special_tokens", 1),
+    ],
+)
+def test_vllm_bools_at_their_default_as_vllm_reads_them_are_accepted(name: str, value: Any) -> None:
+    # vLLM's request model reads 0, "false" and "off" as false (and "true", 1 as true): they
+    # ask for its default, and were a 400 naming the field.
+    assert chat(**{name: value}).n == 1
+    assert completion(**{name: value}).n == 1
+    assert chat(continue_final_message="false", echo="false").n == 1
+    for bad in ("true", 1, "x"):
+        assert refused(chat, use_beam_search=bad) == "use_beam_search"
+    assert refused(chat, echo="true") == "echo"
+    assert refused(completion, skip_special_tokens="false") == "skip_special_tokens"
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 async def test_length_penalty_at_vllms_default_is_served(serve: Serve, path: str) -> None:
     bodies = {"/v1/chat/completions": chat_body("base"), "/v1/completions": {"model": "base", "prompt": "Hi"}}
