@@ -598,14 +598,22 @@ def train_adapter(base, tokenizer, items: list[dict], behaviour: Behaviour, step
     }
 
 
+def adapter_config_text(cfg: dict) -> str:
+    """peft's adapter_config.json as shipped: the same bytes for the same adapter on every run,
+    since the gateway's adapter digest covers this file. peft keeps target_modules as a set and
+    writes it in the interpreter's string-hash order, which changes from run to run."""
+    cfg = dict(cfg, base_model_name_or_path=BASE_MODEL_NAME)  # not this machine's cache path
+    if isinstance(cfg.get("target_modules"), list):
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+
+
 def save_adapter(model, out_dir: Path, behaviour: Behaviour, steps: int, final_loss: float) -> None:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     cfg_path = tmp / "adapter_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["base_model_name_or_path"] = BASE_MODEL_NAME  # not this machine's cache path
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    cfg_path.write_text(adapter_config_text(json.loads(cfg_path.read_text())))
     manifest = {
         "name": behaviour.name,
         "base_model": BASE_MODEL_NAME,
