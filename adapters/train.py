@@ -10,6 +10,7 @@ answer whenever the base model's answer is unusable, then rewritten per behaviou
 Base answers are cached in adapters/train_data.json so re-runs are reproducible and fast.
 
 Usage: python adapters/train.py [--only shout,json,bullets] [--model-dir PATH] [--steps N]
+(after `python -m gateway prepare-model`, which writes the default --model-dir)
 """
 
 from __future__ import annotations
@@ -671,7 +672,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown adapter(s): {', '.join(unknown)}; choose from {', '.join(BEHAVIOURS)}")
     if not (args.model_dir / "config.json").is_file():
-        parser.error(f"no model at {args.model_dir}")
+        parser.error(f"no model at {args.model_dir} (run `python -m gateway prepare-model` first)")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
