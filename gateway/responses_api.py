@@ -224,7 +224,8 @@ class ResponsesRequest(BaseModel):
 def input_messages(value: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
     """``input`` as chat messages. Items are messages (OpenAI's easy form or typed form,
     output messages of an earlier response included) with text content only, function calls
-    (with the assistant text just before them, one assistant message) and their outputs."""
+    (with the assistant text just before or after them: one assistant message) and their
+    outputs."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
@@ -251,7 +252,11 @@ def input_messages(value: str | list[Any], param: str = "input") -> list[dict[st
             if role not in _ROLES:
                 raise InvalidRequest(f"role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
             content = _text(item.get("content"), f"{where}.content", refusals=role == "assistant")
-            messages.append({"role": role, "content": content})
+            last = messages[-1] if messages else {}
+            if role == "assistant" and last.get("tool_calls") and last["content"] is None:
+                last["content"] = content  # the text after the same answer's calls (as vLLM joins them)
+            else:
+                messages.append({"role": role, "content": content})
         else:
             raise InvalidRequest(f"input items of type '{kind}' are not supported", param=f"{where}.type")
     return messages

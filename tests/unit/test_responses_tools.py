@@ -256,6 +256,24 @@ def test_a_tool_round_trip_through_previous_response_id() -> None:
     assert prompt_of(engine).endswith("user:Weather in Paris?\nassistant:Let me see.\ntool:22 C\nmodel:")
 
 
+def test_calls_then_text_sent_back_with_the_outputs_is_one_assistant_turn() -> None:
+    # An answer that opened with a call lists [function_call, message]: resent as input (the
+    # stateless way) with the call's output after them, that was a 400 "No tool output found".
+    http, engine = app(['{"name": "get_time", "arguments": {}}\nThat is all.'])
+    client = sdk(http)
+    first = client.responses.create(model="base-model", input="Hi", tools=[TIME], store=False)
+    assert [o.type for o in first.output] == ["function_call", "message"]
+    call = first.output[0]
+    assert call.type == "function_call"
+    items: Any = [
+        {"role": "user", "content": "Hi"},
+        *[o.model_dump(exclude_none=True) for o in first.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "noon"},
+    ]
+    client.responses.create(model="base-model", input=items, tools=[TIME], store=False)
+    assert prompt_of(engine).endswith("user:Hi\nassistant:That is all.\ntool:noon\nmodel:")
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
