@@ -6,17 +6,29 @@ when it validates an instance (a strict function's arguments). ``re`` spells a n
 ``(?P<name>...)``, so ECMA's ``(?<name>...)``, which xgrammar enforces, was "not a 'regex'".
 The check and the schema copy here read it as ECMA does. The scan of a pattern's groups also
 finds what xgrammar's JSON-schema converter drops: a lookahead.
+
+A client's regex run against text it chose (a strict function's arguments, an ``enum``
+value) must not run under ``re``: it backtracks without bound (``^(a+)+$`` against 30 a's
+and a ``!`` takes minutes) and holds the GIL meanwhile, so every stream stalls, even when
+the check runs in a thread. ``bounded`` validators run them with the ``regex`` module,
+which stops at a time limit and lets go of the GIL while it matches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
-from jsonschema import FormatChecker
+import regex
+from jsonschema import FormatChecker, ValidationError
+from referencing import Registry
 
 
 def group_openings(pattern: str) -> Iterator[int]:
@@ -105,3 +117,100 @@ def python_patterns(schema: Any) -> Any:
         elif key in _ONE:
             out[key] = python_patterns(value)
     return out
+
+
+_Errors = Iterator[ValidationError]  # what a keyword's check yields
+
+
+class RegexTooSlow(ValueError):
+    """A schema's regexes took longer than their budget on an instance (``regex_budget``):
+    the instance cannot be shown valid."""
+
+
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("regex_deadline", default=None)
+REGEX_BUDGET_S = 0.1  # all of one check's regexes: a schema's own take microseconds
+
+
+@contextlib.contextmanager
+def regex_budget(seconds: float = REGEX_BUDGET_S) -> Iterator[None]:
+    """The time the ``bounded`` validators' regexes may take together within the block."""
+    token = _DEADLINE.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _search(pattern: str, text: str) -> bool:
+    deadline = _DEADLINE.get()
+    left = (deadline - time.monotonic()) if deadline is not None else REGEX_BUDGET_S
+    if left <= 0:
+        raise RegexTooSlow(f"the schema's regexes took longer than {REGEX_BUDGET_S:g} s")
+    try:
+        return regex.search(pattern, text, timeout=left) is not None
+    except TimeoutError:
+        raise RegexTooSlow(f"the schema's regexes took longer than {REGEX_BUDGET_S:g} s") from None
+    except regex.error as exc:
+        raise RegexTooSlow(f"a regex of the schema cannot be run: {exc}") from None
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> _Errors:
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _matched(schema: Any, name: str) -> bool:
+    patterns = schema.get("patternProperties", {})
+    return isinstance(patterns, dict) and any(_search(p, name) for p in patterns)
+
+
+def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> _Errors:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> _Errors:
+    if not validator.is_type(instance, "object"):
+        return
+    declared = schema.get("properties", {})
+    extras = [k for k in instance if k not in declared and not _matched(schema, k)]
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        yield ValidationError(f"Additional properties are not allowed ({', '.join(map(repr, extras))})")
+
+
+def _unevaluated_properties(validator: Any, value: Any, instance: Any, schema: Any) -> _Errors:
+    # jsonschema finds the keys that ``patternProperties`` evaluated with ``re``, through every
+    # subschema: where a schema has both, an object is not judged.
+    if validator.is_type(instance, "object"):
+        raise RegexTooSlow("unevaluatedProperties beside patternProperties is not checked here")
+    yield from ()
+
+
+@functools.cache
+def _bounded(cls: Any, unevaluated: bool) -> type[Any]:
+    keywords = {
+        "pattern": _pattern,
+        "patternProperties": _pattern_properties,
+        "additionalProperties": _additional_properties,
+    }
+    if unevaluated:
+        keywords["unevaluatedProperties"] = _unevaluated_properties
+    extended: type[Any] = jsonschema.validators.extend(cls, keywords)
+    return extended
+
+
+def bounded_validator(schema: dict[str, Any], cls: type[Any] | None = None) -> Any:
+    """A validator of ``schema`` (``cls``, else the draft its ``$schema`` names) that runs its
+    regexes with a time bound: within a ``regex_budget``, more time than it gives raises
+    ``RegexTooSlow`` (a ``ValueError``). An empty registry: a remote ``$ref`` is never fetched."""
+    draft: Any = cls or jsonschema.validators.validator_for(schema)
+    text = json.dumps(schema)
+    unevaluated = "unevaluatedProperties" in text and "patternProperties" in text
+    return _bounded(draft, unevaluated)(schema, registry=Registry())

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-from referencing import Registry
 
 from gateway.errors import ConfigError, InvalidRequest
-from gateway.schema_regex import check_meta_schema, has_lookahead
+from gateway.schema_regex import bounded_validator, check_meta_schema, has_lookahead, regex_budget
 from gateway.types import Constraint
 
 FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's, for a format's name (fullmatch)
@@ -538,9 +537,11 @@ def _refused_value(node: dict[str, Any], where: str) -> str | None:
     if not others or "$ref" in json.dumps(others):  # a $ref needs the whole schema: not checked
         return None
     try:
-        validator = jsonschema.Draft202012Validator(others, registry=Registry())  # no remote fetch
+        # Its regexes (nested ones: ``properties``, ``items``...) under a time bound.
+        validator = bounded_validator(others, jsonschema.Draft202012Validator)
         values = [node["const"]] if keyword == "const" else node["enum"]
-        refused = next((v for v in values if not validator.is_valid(v)), _NONE)
+        with regex_budget():
+            refused = next((v for v in values if not validator.is_valid(v)), _NONE)
     except Exception:  # keywords another draft let through (multipleOf 0...): not judged here
         return None
     if refused is _NONE:

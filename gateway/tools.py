@@ -40,11 +40,10 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
 )
-from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from gateway.errors import InvalidRequest
-from gateway.schema_regex import python_patterns
+from gateway.schema_regex import bounded_validator, python_patterns, regex_budget
 from gateway.structured import open_object, schema_problem, schema_size_problem
 from gateway.types import Constraint
 
@@ -593,6 +592,11 @@ def _formatted_calls(text: str, names: Names) -> tuple[str | None, list[ParsedCa
 def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
     """A call object, or a list of them, as calls; [] if anything in it is not one (a strict
     function's arguments that do not validate included)."""
+    with regex_budget():  # the strict schemas' regexes, over all of the answer's calls
+        return _each_call_in(value, names)
+
+
+def _each_call_in(value: Any, names: Names) -> list[ParsedCall]:
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
@@ -605,7 +609,7 @@ def _calls_in(value: Any, names: Names) -> list[ParsedCall]:
             if not isinstance(args, dict):
                 return []
             strict = names.get(item["name"]) if isinstance(names, Mapping) else None
-            if strict is not None and not strict.is_valid(args):
+            if strict is not None and not strict.is_valid(args):  # RegexTooSlow: a ValueError
                 return []
             calls.append(ParsedCall(item["name"], json.dumps(args, ensure_ascii=False, allow_nan=False)))
         except (ValueError, RecursionError, ArithmeticError, Unresolvable):
@@ -620,8 +624,9 @@ def _validator_for(text: str) -> jsonschema.protocols.Validator:
     schema = json.loads(text)
     if "(?<" in text:  # an ECMA-262 named group, which Python's re spells (?P<
         schema = python_patterns(schema)
-    # An empty registry: a remote $ref is Unresolvable (no call), never fetched from here.
-    return jsonschema.validators.validator_for(schema)(schema, registry=Registry())
+    # An empty registry: a remote $ref is Unresolvable (no call), never fetched from here. Its
+    # regexes run against the model's text under a time bound (``schema_regex.bounded_validator``).
+    return bounded_validator(schema)
 
 
 def _strict_validator(fn: FunctionDef) -> jsonschema.protocols.Validator | None:

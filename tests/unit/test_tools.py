@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from typing import Any
 
 import jsonschema
@@ -137,6 +138,39 @@ async def test_a_strict_functions_ecma_named_groups_validate_its_calls(answer: s
     whole = make_gen([answer], tools=[NAMED_GROUPS])
     message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
     assert len(message.get("tool_calls") or []) == calls
+
+
+@pytest.mark.parametrize("pattern", ["^(a+)+$", "^(a|aa)+$"])  # the second is slow in the regex module too
+async def test_a_strict_functions_pattern_does_not_stall_the_loop_on_the_models_text(pattern: str) -> None:
+    """The client writes the regex and, by its prompt, the text it is run against: under
+    Python's re, which backtracks without bound and holds the GIL, ``^(a+)+$`` against 27 a's
+    and a ``!`` held the event loop (every stream) for seconds, doubling with each letter."""
+    from gateway.sse_tools import tool_chat_response
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "string", "pattern": pattern}},
+                "patternProperties": {pattern: {"type": "string"}},
+                "additionalProperties": False,
+            },
+        },
+    }
+    text = "a" * 27 + "!"
+    for args in ({"x": text}, {text: "y"}):
+        answer = json.dumps({"name": "f", "arguments": args})
+        start = time.perf_counter()
+        whole = make_gen([answer], tools=[tool])
+        message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+        assert time.perf_counter() - start < 1
+        assert message["content"] == answer and not message.get("tool_calls")  # not shown valid: content
+    valid = json.dumps({"name": "f", "arguments": {"x": "aaaa"}})
+    whole = make_gen([valid], tools=[tool])
+    assert len(tool_chat_response(whole, await whole.collect())["choices"][0]["message"]["tool_calls"]) == 1
 
 
 def test_tool_choice_none_still_renders_the_tools() -> None:

@@ -140,6 +140,26 @@ def test_enum_beside_a_pattern_is_no_redos() -> None:
     assert time.perf_counter() - start < 0.5  # ~2 s at 25 letters, doubling per letter
 
 
+@pytest.mark.parametrize("pattern", ["^(a+)+$", "^(a|aa)+$"])  # the second is slow in the regex module too
+@pytest.mark.parametrize(
+    "where",
+    [
+        lambda p: {"properties": {"x": {"type": "string", "pattern": p}}, "required": ["x"]},
+        lambda p: {"patternProperties": {p: {"type": "string"}}, "additionalProperties": False},
+        lambda p: {"propertyNames": {"pattern": p}},
+    ],
+)
+def test_enum_beside_a_nested_pattern_is_no_redos(pattern: str, where: Any) -> None:
+    """Only a ``pattern`` beside the ``enum`` was left out: one under ``properties`` (or a
+    ``patternProperties`` key, a ``propertyNames`` pattern) ran under ``re`` against the
+    client's value, holding the GIL, so the check's thread stalled every stream too."""
+    text = "a" * 27 + "!"
+    schema = {"type": "object", **where(pattern), "enum": [{"x": text, text: "y"}]}
+    start = time.perf_counter()
+    xgrammar_gap(schema)
+    assert time.perf_counter() - start < 1  # ~6 s at 27 letters under re, doubling per letter
+
+
 # -- 7. crash: the enum check's validator raising on keywords its own draft has not checked ------
 @pytest.mark.parametrize("multiple_of", [0, "x"])
 async def test_an_enum_beside_an_unchecked_multiple_of_is_no_500(multiple_of: Any) -> None:
