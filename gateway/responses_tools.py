@@ -33,11 +33,11 @@ from gateway.responses_events import (
     text_part,
 )
 from gateway.tools import (
-    CALL_OPENERS,
     RequiredCallScanner,
     call_id,
     calls_lead,
     calls_of_answer,
+    may_open_calls,
     settled_content,
 )
 from gateway.types import Chunk, StepOutput, TokenLogprob
@@ -173,8 +173,8 @@ class ResponseToolEncoder(ResponseEventEncoder):
         self.answer += c.text
         text, out = self.answer, b""
         if not self.streaming_text:
-            if not text.strip() or (self.parser == "json" and text.lstrip().startswith(CALL_OPENERS)):
-                return b""  # may be calls: read when it ends (``tool_parser: none`` reads none)
+            if not text.strip() or may_open_calls(self.parser, text):
+                return b""  # may be calls: read when it ends
             self.streaming_text = True
             out = self._open(self._message())
         end = len(text)

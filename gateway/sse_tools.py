@@ -36,12 +36,12 @@ from gateway.protocol import usage_dict
 from gateway.service import Collected, Generation
 from gateway.sse import OpenAIChatEncoder, chat_logprobs
 from gateway.tools import (
-    CALL_OPENERS,
     ParsedCall,
     RequiredCallScanner,
     ToolPlan,
     call_id,
     calls_of_answer,
+    may_open_calls,
     settled_content,
     tool_call_dict,
 )
@@ -138,7 +138,7 @@ class ToolChatEncoder(OpenAIChatEncoder):
             return self._required_chunk(c, state, logprobs)
         state.text += c.text
         text = state.text
-        if self._plan.mode == "auto" and text.strip() and not self._may_open_calls(text):
+        if self._plan.mode == "auto" and text.strip() and not may_open_calls(self._parser, text):
             state.streaming_text = True
         if c.finish_reason is not None:
             return self._calls_events(c.index, text, logprobs, c.finish_reason, state.sent)
@@ -151,11 +151,6 @@ class ToolChatEncoder(OpenAIChatEncoder):
         if piece or logprobs is not None:
             return self._event(c.index, {"content": piece} if piece else {}, logprobs)
         return b""
-
-    def _may_open_calls(self, text: str) -> bool:
-        """Whether an ``auto`` answer may yet be read as calls from its start: only where the
-        route's parser reads calls (``tool_parser: none`` reads none, so its text flows)."""
-        return self._parser == "json" and text.lstrip().startswith(CALL_OPENERS)
 
     def _required_chunk(self, c: Chunk, state: _ChoiceState, logprobs: Any) -> bytes:
         """Each call's name as soon as it is complete, then its arguments as they grow."""

@@ -494,6 +494,13 @@ def parse_calls(text: str, names: Names) -> tuple[str | None, list[ParsedCall]]:
     return text, []
 
 
+def may_open_calls(parser: str, text: str) -> bool:
+    """Whether an ``auto`` answer may yet be read as calls from its start, so a stream holds it
+    back: only where the route's parser reads calls (under ``tool_parser: none`` every answer
+    is text, and streams as it comes)."""
+    return parser == "json" and text.lstrip().startswith(CALL_OPENERS)
+
+
 def settled_content(text: str, names: Names, checked: int = 0) -> tuple[int, int]:
     """For an ``auto`` answer that opened with text (not ``CALL_OPENERS``), being streamed:
     ``text[:end]`` is content whatever comes next, as ``parse_calls`` will read the whole:
