@@ -340,6 +340,7 @@ _DEFS = {"A": _A, "N": {"type": "integer"}}
         # every enum value is offered, also one the keywords beside it refuse
         ({"type": "string", "enum": ["a", 1]}, "1", "'enum' value that the keywords beside it refuse (1"),
         ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, '"bb"', '("bb", at enum)'),
+        ({"type": "string", "enum": ["a", "b"], "pattern": "^a$"}, '"b"', '("b", at enum)'),
     ],
 )
 def test_what_xgrammar_leaves_out_is_named(schema: dict[str, Any], witness: str, named: str) -> None:
