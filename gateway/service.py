@@ -216,10 +216,14 @@ class Generation:
         """Abort the engine requests, then let go of the route version and the adapter's
         turn. In the other order the engine could still run these requests when the next
         adapter's arrive (with a pinned slot vLLM cannot place a batch with more unpinned
-        adapters than it has free slots: the engine dies) or after a retired version left."""
+        adapters than it has free slots: the engine dies) or after a retired version left.
+        An abort that fails is logged: the others still go, and nobody awaits this task."""
         try:
             for request_id in self._request_ids:
-                await self._engine.abort(request_id)
+                try:
+                    await self._engine.abort(request_id)
+                except Exception as exc:
+                    log.warning("could not abort engine request %s: %s", request_id, exc)
         finally:
             self._release(ticket)
 

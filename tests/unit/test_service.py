@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+from typing import Any
 
 import pytest
 
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.catalog_file import SamplingDefaults
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import ContextLengthExceeded, EngineUnavailable, InvalidRequest
 from gateway.lora_scheduler import LoraScheduler
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
 from gateway.service import ChatService
@@ -553,3 +555,35 @@ async def test_a_stalled_reader_gives_up_its_adapters_turn_once_the_engine_is_do
     assert [first.chunks[0].text, *(s.chunks[0].text for s in rest)] == ["a", "aaaa"]
     assert rest[-1].finished and rest[-1].chunks[0].num_tokens == 4 and gen_a.completion_tokens == 5
     assert engine.aborted == [] and scheduler.snapshot()["active"] == {} and catalog.in_use() == {}
+
+
+class AbortFailsEngine(FakeEngine):
+    """Every abort raises once the engine has it (its client could not say it went through)."""
+
+    async def abort(self, request_id: str) -> None:
+        await super().abort(request_id)
+        raise EngineUnavailable("the engine has stopped")
+
+
+async def test_an_abort_that_raises_still_aborts_the_other_engine_requests_quietly() -> None:
+    """The abort runs in a task of its own that nobody awaits: an exception from the engine's
+    abort stopped it before the generation's other engine requests (n=2 greedy: two of them),
+    and asyncio logged "Task exception was never retrieved" with its traceback."""
+    engine = AbortFailsEngine(words=["a"] * 100, delay=0.01)
+    service, catalog, scheduler = two_adapters_one_slot(engine)
+    gen = await service.chat(chat(model="a", n=2, temperature=0), catalog.acquire("a"))
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        steps = gen.steps()
+        await steps.__anext__()
+        await steps.aclose()  # its client leaves mid-stream
+        await asyncio.sleep(0.01)
+        gc.collect()  # a task whose exception nobody took says so as it goes
+    finally:
+        loop.set_exception_handler(handler)
+    assert engine.aborted == [f"{gen.id}-0", f"{gen.id}-1"]
+    assert unhandled == []
+    assert scheduler.snapshot()["active"] == {} and catalog.in_use() == {}
