@@ -7,9 +7,9 @@ once the client had read all before it; whatever the gateway holds for "in the e
 (a LoRA request's adapter turn) would be held that long, and other adapters kept waiting.
 
 ``ReadAhead`` reads the stream in a task of its own and calls ``on_end`` as soon as the
-engine's last step arrives. Steps the consumer has not taken yet are merged into one, by
-choice, as vLLM merges its deltas, so a stalled reader costs its output's text, not an
-object per token.
+engine's last step arrives, or the stream fails (the engine is done with it then too).
+Steps the consumer has not taken yet are merged into one, by choice, as vLLM merges its
+deltas, so a stalled reader costs its output's text, not an object per token.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ class _Merged:
 
 class ReadAhead:
     """``stream``'s steps, read ahead by a task; ``on_end`` runs once the engine's last step
-    (``finished``) has arrived, taken or not. ``close`` (however the consumer stops) cancels
-    the reading: a request cut short is the caller's to abort."""
+    (``finished``) has arrived, taken or not, or once the stream has failed (its error is
+    raised to the consumer after the steps before it). ``close`` (however the consumer stops)
+    cancels the reading: a request cut short is the caller's to abort."""
 
     def __init__(self, stream: AsyncIterator[StepOutput], on_end: Callable[[], None]) -> None:
         self._pending: _Merged | None = None
@@ -94,6 +95,7 @@ class ReadAhead:
         self._task = asyncio.ensure_future(self._read(stream, on_end))
 
     async def _read(self, stream: AsyncIterator[StepOutput], on_end: Callable[[], None]) -> None:
+        ended = False
         try:
             async for step in stream:
                 if self._pending is None:
@@ -102,11 +104,14 @@ class ReadAhead:
                     self._pending.add(step)
                 if step.finished:
                     self._wake()
+                    ended = True
                     on_end()
                 elif self._wake():  # a consumer that keeps up takes the steps one by one
                     await asyncio.sleep(0)
         except Exception as exc:  # the consumer raises it, after the steps before it
             self._error = exc
+            if not ended:  # a stream that failed is over in the engine: a stalled reader holds nothing
+                on_end()
         finally:
             self._done = True
             self._wake()

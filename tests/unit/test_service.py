@@ -11,7 +11,7 @@ import pytest
 
 from gateway.catalog import Catalog, Route, RoutingTable
 from gateway.catalog_file import SamplingDefaults
-from gateway.errors import ContextLengthExceeded, EngineUnavailable, InvalidRequest
+from gateway.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
 from gateway.lora_scheduler import LoraScheduler
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, HouseChatRequest
 from gateway.service import ChatService
@@ -586,4 +586,36 @@ async def test_an_abort_that_raises_still_aborts_the_other_engine_requests_quiet
         loop.set_exception_handler(handler)
     assert engine.aborted == [f"{gen.id}-0", f"{gen.id}-1"]
     assert unhandled == []
+    assert scheduler.snapshot()["active"] == {} and catalog.in_use() == {}
+
+
+class FailsAfterAStep(FakeEngine):
+    """Requests on adapter ``a`` fail in the engine after their first step (as vLLM's
+    finish_reason "error": done in the engine, the stream raises)."""
+
+    async def generate(self, prompt_ids, sampling, request_id, lora, priority=0):  # type: ignore[no-untyped-def]
+        async with contextlib.aclosing(
+            super().generate(prompt_ids, sampling, request_id, lora, priority)
+        ) as steps:
+            async for step in steps:
+                yield step
+                if lora is not None and lora.name == "a":
+                    raise EngineFailed("the engine failed to process the request")
+
+
+async def test_a_stalled_reader_gives_up_its_adapters_turn_once_the_engine_request_failed() -> None:
+    """As once it finished: a request the engine failed is done there. A client that stopped
+    reading before the error held its adapter's turn until it read that far: with one slot, b
+    waited for max_wait_s, and with a pin (no bounded wait) until a's send timeout cut it."""
+    engine = FailsAfterAStep(words=["a"] * 5, delay=0.01)
+    service, catalog, scheduler = two_adapters_one_slot(engine)
+    gen_a = await service.chat(chat(model="a"), catalog.acquire("a"))
+    steps = gen_a.steps()
+    await steps.__anext__()  # a's client reads one step, then stops reading
+    gen_b = await service.chat(chat(model="b"), catalog.acquire("b"))
+    result = await asyncio.wait_for(gen_b.collect(), 5)  # b has its turn while a's client stalls
+    assert "".join(result.choices[0].text) == "a" * 5
+    with pytest.raises(EngineFailed):  # a's client reads on: the error, after the step before it
+        await steps.__anext__()
+    await asyncio.sleep(0.01)
     assert scheduler.snapshot()["active"] == {} and catalog.in_use() == {}
