@@ -4,6 +4,7 @@ engine sees them, the key's priority reaches the engine, and the switch turns it
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from gateway.engine import EngineManager
 from gateway.settings import EngineSettings
 from tests.helpers import eventually_async
-from tests.unit.conftest import ADMIN, USER_KEY, Serve, make_adapter
+from tests.unit.conftest import ADMIN, USER_KEY, Serve, body_then_disconnect, http_scope, make_adapter
 from tests.unit.fakes import FakeEngine
 
 
@@ -113,6 +114,82 @@ async def test_a_client_that_leaves_while_waiting_leaves_no_slot_behind(serve: S
     assert scheduler.snapshot()["active"] == {}
     assert served.engine.aborted == []  # nothing reached the engine to abort
     assert (await served.http.post("/v1/chat/completions", json=body("json"))).status_code == 200
+
+
+READING = {"ReadAhead._read", "merge_steps.<locals>.pump"}  # the tasks a LoRA request reads its streams in
+
+
+async def test_a_client_leaving_a_stream_of_several_engine_requests_leaves_nothing_behind(
+    serve: Serve,
+) -> None:
+    """Two prompts x greedy n=2: four engine requests, merged and read ahead of the client.
+    Its client leaves mid-stream: each is aborted, the turn goes back (the one slot serves
+    another adapter next), no reading task is left, and the request counts once, as a 499."""
+    engine = FakeEngine(words=["a"] * 1000, delay=0.01, max_model_len=2000)  # 10 s: long after it leaves
+    served = await serve(engine, engine__max_loras=1)
+    raw = json.dumps(
+        {"model": "shout", "prompt": ["a", "b"], "n": 2, "temperature": 0, "max_tokens": 1000, "stream": True}
+    )
+    headers = {"authorization": f"Bearer {USER_KEY}", "content-length": str(len(raw))}
+    gone = asyncio.Event()
+    chunks = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal chunks
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks += 1
+            if chunks == 3:
+                gone.set()
+
+    receive = body_then_disconnect(raw.encode(), gone)
+    await asyncio.wait_for(served.app(http_scope("/v1/completions", headers), receive, send), 5)
+    ids = [request_id for *_, request_id, _ in engine.calls]
+    assert len(ids) == 4
+    await eventually_async(lambda: sorted(engine.aborted) == sorted(ids), 5, "each engine request aborted")
+
+    def reading() -> list[str]:
+        return [
+            t.get_coro().__qualname__ for t in asyncio.all_tasks() if t.get_coro().__qualname__ in READING
+        ]
+
+    await eventually_async(lambda: not reading() and engine.running == 0, 5, "no reading task left", reading)
+    scheduler = served.gw.scheduler
+    assert scheduler is not None and scheduler.snapshot()["active"] == {}
+    assert served.gw.admission.inflight == 0 and served.gw.catalog_or_503().in_use() == {}
+    labels = {"route": "shout", "status": "499", "stream": "true"}
+    assert served.gw.metrics.registry.get_sample_value("gateway_requests_total", labels) == 1
+    later = await asyncio.wait_for(served.http.post("/v1/chat/completions", json=body("json")), 5)
+    assert later.status_code == 200
+
+
+async def test_a_route_a_reload_removes_while_its_request_waits_serves_it_then_leaves(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """The waiting request holds the version it was routed to: it runs on it once its turn
+    comes, and only then does the version leave the engine and the scheduler."""
+    gate = asyncio.Event()
+    served = await serve(FakeEngine(gate=gate), engine__max_loras=1)
+    scheduler = served.gw.scheduler
+    assert scheduler is not None
+    catalog = served.gw.catalog_or_503()
+    json_id = catalog.table.routes["json"].lora.lora_id  # type: ignore[union-attr]
+    shout = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("shout")))
+    await eventually_async(lambda: served.engine.running == 1, 5, "shout in the engine")
+    json_ = asyncio.create_task(served.http.post("/v1/chat/completions", json=body("json")))
+    await eventually_async(lambda: scheduler.queued == 1, 5, "json queued")
+    adapters = tmp_path / "adapters.yaml"
+    adapters.write_text(
+        adapters.read_text().replace("  - name: json\n    adapter: json\n    tasks: [extract]\n", "")
+    )
+    reload = await served.http.post("/admin/adapters/reload", headers=ADMIN)
+    assert reload.json()["routes"] == ["concise", "shout"]
+    assert await catalog.remove_drained() == [] and json_id in served.engine.loras  # still waited for
+    gate.set()
+    assert [r.status_code for r in await asyncio.gather(shout, json_)] == [200, 200]
+    assert [lora.name if lora else None for *_, lora in served.engine.calls] == ["shout", "json"]
+    assert await catalog.remove_drained() == [json_id] and json_id not in served.engine.loras
+    assert scheduler.snapshot()["active"] == {} and scheduler.queued == 0 and catalog.in_use() == {}
+    assert (await served.http.post("/v1/chat/completions", json=body("json"))).status_code == 404
 
 
 async def test_a_request_that_left_while_waiting_counts_no_prompt_tokens(serve: Serve) -> None:
