@@ -2,9 +2,11 @@
 
 ``merge_steps`` runs one engine stream per prompt at once and interleaves their steps as
 they come, with choice ``i`` of prompt ``p`` re-indexed ``p * n + i`` (as vLLM numbers
-them). ``echo_steps`` puts the prompt (and its logprobs, when asked for) in front of each
-choice's first chunk, as vLLM's completions ``echo`` does. A single prompt without echo
-uses neither: the engine's stream goes straight to the encoder.
+them); each step carries the prompt tokens read from the prefix cache so far, summed over
+the prompts as their prompt tokens are. ``echo_steps`` puts the prompt (and its logprobs,
+when asked for) in front of each choice's first chunk, as vLLM's completions ``echo``
+does. A single prompt without echo uses neither: the engine's stream goes straight to the
+encoder.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from gateway.types import StepOutput, TokenLogprob
 _Item = StepOutput | BaseException | None
 
 
-async def merge_steps(streams: list[AsyncIterator[StepOutput]], n: int) -> AsyncIterator[StepOutput]:
+async def merge_steps(
+    streams: list[AsyncIterator[StepOutput]], n: int, copies: int = 1
+) -> AsyncIterator[StepOutput]:
     """One stream of the steps of ``streams`` (one per prompt, ``n`` choices each); the
-    last step has ``finished`` set once every stream has finished."""
+    last step has ``finished`` set once every stream has finished. ``copies`` streams in a
+    row are one prompt's (greedy choices, a request each): the prompt counts once, as in
+    ``prompt_tokens``, with the fewest cached tokens any of its copies read."""
     queue: asyncio.Queue[tuple[int, _Item]] = asyncio.Queue()
+    cached = [0] * len(streams)  # each stream's cached prompt tokens
+    cached_total = 0
 
     async def pump(p: int, stream: AsyncIterator[StepOutput]) -> None:
         try:
@@ -45,7 +53,11 @@ async def merge_steps(streams: list[AsyncIterator[StepOutput]], n: int) -> Async
                 chunk.index += p * n
             if item.finished:
                 finished.add(p)
-            yield StepOutput(item.chunks, item.prompt_tokens, len(finished) == len(streams))
+            if item.cached_tokens != cached[p]:  # a stream's first step, mostly
+                cached[p] = item.cached_tokens
+                cached_total = sum(min(cached[k : k + copies]) for k in range(0, len(cached), copies))
+            done = len(finished) == len(streams)
+            yield StepOutput(item.chunks, item.prompt_tokens, done, cached_tokens=cached_total)
     finally:
         for task in tasks:
             task.cancel()  # closes the engine streams left (each aborts its request)

@@ -273,6 +273,8 @@ class EngineManager:
                     prompt_logprobs=_logprobs(prompt_ids, prompt_lps, params.prompt_logprobs or 0)
                     if prompt_lps
                     else None,
+                    # from the first step on (the prefill's); None or missing on older versions
+                    cached_tokens=getattr(out, "num_cached_tokens", None) or 0,
                 )
         except GatewayError:
             raise

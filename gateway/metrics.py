@@ -37,6 +37,7 @@ class RequestRecord:
     stream: bool = False
     status: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of ``prompt_tokens``, those read from the engine's prefix cache
     completion_tokens: int = 0
     first_token_at: float | None = None
     adapter_state: str | None = None  # "cold" / "warm" for a LoRA route (AdapterSlots.start_state)
@@ -58,6 +59,7 @@ class RequestRecord:
         gen = self.generation
         if gen is not None:
             self.prompt_tokens = gen.prompt_tokens if gen.reached_engine else 0  # left while queued: none
+            self.cached_prompt_tokens = gen.cached_tokens
             self.completion_tokens = gen.completion_tokens
             self.first_token_at = gen.first_token_at
             if gen.error is not None and not self.disconnected:
@@ -78,6 +80,7 @@ class RequestRecord:
             "status": self.status,
             "stream": self.stream,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "ttft_ms": round((self.first_token_at - self.started) * 1000, 2) if self.first_token_at else None,
             "duration_ms": round((now - self.started) * 1000, 2),
@@ -105,6 +108,12 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter(
             "gateway_prompt_tokens", "Prompt tokens by route", ["route"], registry=registry
+        )
+        self.cached_prompt_tokens = Counter(
+            "gateway_cached_prompt_tokens",
+            "Prompt tokens read from the engine's prefix cache, by route",
+            ["route"],
+            registry=registry,
         )
         self.completion_tokens = Counter(
             "gateway_completion_tokens", "Completion tokens by route", ["route"], registry=registry
@@ -229,6 +238,7 @@ class GatewayMetrics:
             return
         for counter in (
             self.prompt_tokens,
+            self.cached_prompt_tokens,
             self.completion_tokens,
             self.adapter_loads,
             self.adapter_wait_timeouts,
@@ -258,6 +268,8 @@ class GatewayMetrics:
         self.requests.labels(route, status, "true" if record.stream else "false").inc()
         if record.prompt_tokens:
             self.prompt_tokens.labels(route).inc(record.prompt_tokens)
+        if record.cached_prompt_tokens:
+            self.cached_prompt_tokens.labels(route).inc(record.cached_prompt_tokens)
         if record.completion_tokens:
             self.completion_tokens.labels(route).inc(record.completion_tokens)
         if record.first_token_at is not None:

@@ -191,10 +191,23 @@ def _const(value: str) -> dict[str, Any]:
     return {"type": "string", "const": value}
 
 
+_CACHED = _obj(
+    ("cached_tokens",),
+    cached_tokens={"type": "integer", "description": "Prompt tokens read from the engine's prefix cache"},
+)
 _USAGE = _obj(
-    ("prompt_tokens", "completion_tokens", "total_tokens"),
+    ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"),
     prompt_tokens={"type": "integer"},
     completion_tokens={"type": "integer"},
+    total_tokens={"type": "integer"},
+    prompt_tokens_details=_CACHED,
+)
+_RESPONSE_USAGE = _obj(
+    ("input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details", "total_tokens"),
+    input_tokens={"type": "integer"},
+    input_tokens_details=_CACHED,
+    output_tokens={"type": "integer"},
+    output_tokens_details=_obj(("reasoning_tokens",), reasoning_tokens={"type": "integer"}),
     total_tokens={"type": "integer"},
 )
 _FINISH = {"type": ["string", "null"]}
@@ -261,6 +274,7 @@ _RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
         status=_STRING,
         model=_STRING,
         output={"type": "array", "items": _OBJECT},
+        usage={"anyOf": [_RESPONSE_USAGE, {"type": "null"}]},  # null while in progress
     ),
     "DeletedResponse": _obj(
         ("id", "object", "deleted"),

@@ -24,6 +24,7 @@ from pydantic import (
 
 from gateway.errors import InvalidRequest
 from gateway.tools import ToolCall, ToolChoice, ToolDef
+from gateway.types import TokenCounts
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range
@@ -566,11 +567,13 @@ def invalid_request(exc: ValidationError) -> InvalidRequest:
 
 
 # -- response bodies -------------------------------------------------------------------
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(tokens: TokenCounts) -> dict[str, Any]:
+    """Chat's and completions' ``usage`` (OpenAI's ``CompletionUsage``, one type for both)."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": tokens.prompt_tokens,
+        "completion_tokens": tokens.completion_tokens,
+        "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": tokens.cached_tokens},
     }
 
 

@@ -55,6 +55,7 @@ class _Merged:
         self.first = step  # the usual case: one step, handed on as it is
         self.choices: dict[int, _Choice] | None = None
         self.prompt_tokens = step.prompt_tokens
+        self.cached_tokens = step.cached_tokens
         self.finished = step.finished
 
     def add(self, step: StepOutput) -> None:
@@ -63,6 +64,7 @@ class _Merged:
             self._add_chunks(self.first)
         self._add_chunks(step)
         self.prompt_tokens = step.prompt_tokens
+        self.cached_tokens = step.cached_tokens
         self.finished = step.finished
 
     def _add_chunks(self, step: StepOutput) -> None:
@@ -78,7 +80,9 @@ class _Merged:
         if self.choices is None:
             return self.first
         chunks = [c.chunk() for c in self.choices.values()]
-        return StepOutput(chunks, self.prompt_tokens, self.finished, self.first.prompt_logprobs)
+        return StepOutput(
+            chunks, self.prompt_tokens, self.finished, self.first.prompt_logprobs, self.cached_tokens
+        )
 
 
 class ReadAhead:

@@ -34,7 +34,7 @@ from gateway.responses_api import ResponsesRequest, format_echo, tools_echo
 from gateway.service import Collected, Generation
 from gateway.sse import chat_logprobs
 from gateway.tools import call_id, calls_lead, calls_of_answer
-from gateway.types import Chunk, StepOutput, TokenLogprob
+from gateway.types import Chunk, StepOutput, TokenCounts, TokenLogprob
 
 log = logging.getLogger(__name__)
 Save = Callable[[dict[str, Any]], Awaitable[None]]
@@ -44,13 +44,13 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage(tokens: TokenCounts) -> dict[str, Any]:
     return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
+        "input_tokens": tokens.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": tokens.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": tokens.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": tokens.prompt_tokens + tokens.completion_tokens,
     }
 
 
@@ -147,10 +147,10 @@ class ResponseDraft:
         self,
         status: str,
         output: list[dict[str, Any]] | None = None,
-        tokens: tuple[int, int] | None = None,
+        tokens: TokenCounts | None = None,
         error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The Response with ``output`` (its items); ``tokens`` (in, out) the usage."""
+        """The Response with ``output`` (its items); ``tokens`` the usage."""
         body, sampling = self.body, self.gen.sampling
         incomplete = status == "incomplete"
         return {
@@ -180,7 +180,7 @@ class ResponseDraft:
             "top_logprobs": body.top_logprobs or 0,
             "top_p": sampling.top_p,
             "truncation": "disabled",
-            "usage": usage(*tokens) if tokens is not None else None,
+            "usage": usage(tokens) if tokens is not None else None,
             "user": body.user,
         }
 
@@ -188,7 +188,7 @@ class ResponseDraft:
         choice = result.choices[0]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         output = self.items("".join(choice.text), status, choice.logprobs)
-        return self.render(status, output, (result.prompt_tokens, result.completion_tokens))
+        return self.render(status, output, result)
 
     def items(
         self, text: str, status: str, logprobs: list[TokenLogprob] | None = None
@@ -311,10 +311,10 @@ class ResponseEventEncoder:
                 self.sequence += 1
         return b"".join(out)
 
-    def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    def final(self, tokens: TokenCounts) -> dict[str, Any]:
         status = "incomplete" if self.finish_reason == "length" else "completed"
         message = self.draft.message("".join(self.text), status, self.logprobs)
-        return self.draft.render(status, [message], (input_tokens, output_tokens))
+        return self.draft.render(status, [message], tokens)
 
     def end(self, response: dict[str, Any]) -> bytes:
         text = "".join(self.text)
@@ -332,9 +332,11 @@ class ResponseEventEncoder:
 
     def error(self, exc: GatewayError) -> bytes:
         error = {"code": "server_error", "message": exc.message}
-        tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
         failed = self.draft.render(
-            "failed", [self.draft.message("".join(self.text), "incomplete", self.logprobs)], tokens, error
+            "failed",
+            [self.draft.message("".join(self.text), "incomplete", self.logprobs)],
+            self.draft.gen,
+            error,
         )
         return self.event("response.failed", response=failed)
 
@@ -350,7 +352,7 @@ async def stream_events(
                 data = encoder.step(step)
                 if data:
                     yield data
-        response = encoder.final(gen.prompt_tokens, gen.completion_tokens)
+        response = encoder.final(gen)
         if save is not None:
             await save(response)
         yield encoder.end(response)

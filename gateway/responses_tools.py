@@ -40,7 +40,7 @@ from gateway.tools import (
     may_open_calls,
     settled_content,
 )
-from gateway.types import Chunk, StepOutput, TokenLogprob
+from gateway.types import Chunk, StepOutput, TokenCounts, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -185,7 +185,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
             self.sent = end
         return out
 
-    def final(self, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    def final(self, tokens: TokenCounts) -> dict[str, Any]:
         """The Response; what was held back (an ``auto`` answer that may be calls, a
         ``required`` one cut short before any call) becomes its items here."""
         status = "incomplete" if self.finish_reason == "length" else "completed"
@@ -211,7 +211,7 @@ class ResponseToolEncoder(ResponseEventEncoder):
             item.render(self.draft, "completed" if item.closed else status, self.logprobs)
             for item in self.items
         ]
-        return self.draft.render(status, output, (input_tokens, output_tokens))
+        return self.draft.render(status, output, tokens)
 
     def end(self, response: dict[str, Any]) -> bytes:
         status = response["status"]
@@ -230,8 +230,9 @@ class ResponseToolEncoder(ResponseEventEncoder):
 
     def error(self, exc: GatewayError) -> bytes:
         error = {"code": "server_error", "message": exc.message}
-        tokens = (self.draft.gen.prompt_tokens, self.draft.gen.completion_tokens)
         output = [
             item.render(self.draft, "incomplete", self.logprobs) for item in self.items if item.announced
         ]
-        return self.event("response.failed", response=self.draft.render("failed", output, tokens, error))
+        return self.event(
+            "response.failed", response=self.draft.render("failed", output, self.draft.gen, error)
+        )

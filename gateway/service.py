@@ -104,6 +104,7 @@ class Collected:
     choices: list[Choice]
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt tokens, those read from the engine's prefix cache
 
 
 class Generation:
@@ -135,6 +136,7 @@ class Generation:
         self.prompt_tokens = len(prompt_ids) + sum(len(p) for p in more_prompts)
         self.num_choices = sampling.n * (1 + len(more_prompts))
         self.completion_tokens = 0
+        self.cached_tokens = 0  # the prompt tokens the engine read from its prefix cache
         self.first_token_at: float | None = None
         # The error a stream ended with after its 200 went out (set by the stream encoders):
         # the access log and the metrics count the request under this error's status.
@@ -198,6 +200,7 @@ class Generation:
                 last = now
                 for chunk in step.chunks:
                     self.completion_tokens += chunk.num_tokens
+                self.cached_tokens = step.cached_tokens
                 finished = step.finished
                 yield step
         finally:
@@ -243,7 +246,7 @@ class Generation:
             p = k // self._copies
             stream = self._engine.generate(prompts[p], params[p], request_id, self.lora, priority)
             streams.append(echo_steps(stream, self._echo[p]) if self._echo is not None else stream)
-        return streams[0] if len(streams) == 1 else merge_steps(streams, self._per_stream)
+        return streams[0] if len(streams) == 1 else merge_steps(streams, self._per_stream, self._copies)
 
     def close(self) -> None:
         """Release a generation that was never iterated. Once ``steps`` has run, its own end
@@ -262,7 +265,9 @@ class Generation:
                     choice.logprobs = (choice.logprobs or []) + chunk.logprobs
                 if chunk.finish_reason is not None:
                     choice.finish_reason = chunk.finish_reason
-        return Collected(list(choices.values()), self.prompt_tokens, self.completion_tokens)
+        return Collected(
+            list(choices.values()), self.prompt_tokens, self.completion_tokens, self.cached_tokens
+        )
 
 
 class ChatService:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from gateway.errors import EngineFailed, GatewayError
 from gateway.protocol import usage_dict
 from gateway.service import Collected, Generation
-from gateway.types import Chunk, StepOutput, TokenLogprob
+from gateway.types import Chunk, StepOutput, TokenCounts, TokenLogprob
 
 log = logging.getLogger(__name__)
 _dumps = json.dumps
@@ -34,7 +34,7 @@ class StreamEncoder(Protocol):
 
     def step(self, step: StepOutput) -> bytes: ...
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes: ...
+    def end(self, tokens: TokenCounts) -> bytes: ...
 
     def error(self, exc: GatewayError) -> bytes: ...
 
@@ -60,12 +60,10 @@ class _OpenAIEncoder:
     def error(self, exc: GatewayError) -> bytes:
         return _data(exc.to_dict())
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, tokens: TokenCounts) -> bytes:
         if not self.include_usage:
             return DONE
-        return (
-            _data({**self._head, "choices": [], "usage": usage_dict(prompt_tokens, completion_tokens)}) + DONE
-        )
+        return _data({**self._head, "choices": [], "usage": usage_dict(tokens)}) + DONE
 
 
 class OpenAIChatEncoder(_OpenAIEncoder):
@@ -152,7 +150,7 @@ class HouseEncoder:
             if c.text
         )
 
-    def end(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, tokens: TokenCounts) -> bytes:
         return b"event: done\ndata: [DONE]\n\n"
 
     def error(self, exc: GatewayError) -> bytes:
@@ -182,7 +180,7 @@ async def encode_stream(gen: Generation, encoder: StreamEncoder) -> AsyncIterato
                 data = encoder.step(step)
                 if data:
                     yield data
-        yield encoder.end(gen.prompt_tokens, gen.completion_tokens)
+        yield encoder.end(gen)
     except GatewayError as exc:
         gen.error = exc
         yield encoder.error(exc)
@@ -242,7 +240,7 @@ def chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
             }
             for c in result.choices
         ],
-        "usage": usage_dict(result.prompt_tokens, result.completion_tokens),
+        "usage": usage_dict(result),
     }
 
 
@@ -261,5 +259,5 @@ def completion_response(gen: Generation, result: Collected) -> dict[str, Any]:
             }
             for c in result.choices
         ],
-        "usage": usage_dict(result.prompt_tokens, result.completion_tokens),
+        "usage": usage_dict(result),
     }

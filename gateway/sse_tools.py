@@ -74,7 +74,7 @@ def tool_chat_response(gen: Generation, result: Collected) -> dict[str, Any]:
         "created": gen.created,
         "model": gen.route.name,
         "choices": choices,
-        "usage": usage_dict(result.prompt_tokens, result.completion_tokens),
+        "usage": usage_dict(result),
     }
 
 

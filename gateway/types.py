@@ -104,6 +104,16 @@ class StepOutput:
     prompt_tokens: int
     finished: bool
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first step, if asked for
+    cached_tokens: int = 0  # of ``prompt_tokens``, those the engine read from its prefix cache
+
+
+class TokenCounts(Protocol):
+    """A request's tokens, as its ``usage`` reports them (``service.Generation``, ``Collected``):
+    ``cached_tokens`` are the prompt tokens served from the engine's prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
 
 
 class Tokenizer(Protocol):

@@ -28,7 +28,7 @@ def detokenize(gateway: LiveGateway, tokens: list[int]) -> str:
 async def test_single_completion(client: openai.AsyncOpenAI, gateway: LiveGateway) -> None:
     """vLLM completion/test_completion.py::test_single_completion (prompt_tokens from our
     tokenizer instead of 6; ``prompt_tokens_details`` is left out: vLLM sends it only with
-    ``--enable-prompt-tokens-details``, the gateway never)."""
+    ``--enable-prompt-tokens-details``, the gateway always, with ``cached_tokens``)."""
     r = await client.completions.create(model=BASE, prompt="Hello, my name is", max_tokens=5, temperature=0.0)
     assert r.id is not None and len(r.choices) == 1
     choice = r.choices[0]

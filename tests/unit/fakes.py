@@ -3,7 +3,9 @@ generating scripted words, one token per step.
 
 Knobs for tests of the app: ``start_gate`` holds ``start()`` (the "starting" state),
 ``gate`` holds every generation before its first step (requests stay in flight), and
-``fail()`` marks the engine dead, as vLLM's engine core dying does.
+``fail()`` marks the engine dead, as vLLM's engine core dying does. ``cached_tokens``: the
+prompt tokens each generation reports read from the prefix cache (vLLM's ``num_cached_tokens``,
+at most the prompt's).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ class FakeEngine:
         served_model_name: str = "fake-model",
         start_gate: asyncio.Event | None = None,
         gate: asyncio.Event | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         self.words = words or ["Hello", " world", "!"]
+        self.cached_tokens = cached_tokens
         self._max_model_len = max_model_len
         self.delay = delay
         self.calls: list[tuple[list[int], SamplingSpec, str, LoraSpec | None]] = []
@@ -133,7 +137,8 @@ class FakeEngine:
                 chunks = [
                     Chunk(index=n, text=word, num_tokens=1, finish_reason=reason) for n in range(sampling.n)
                 ]
-                yield StepOutput(chunks=chunks, prompt_tokens=len(prompt_ids), finished=last)
+                cached = min(self.cached_tokens, len(prompt_ids))
+                yield StepOutput(chunks, len(prompt_ids), last, cached_tokens=cached)
         finally:
             self.running -= 1
 

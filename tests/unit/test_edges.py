@@ -398,6 +398,23 @@ async def test_batched_stream_finishes_once_all_prompts_have() -> None:
     ]
 
 
+async def test_batched_stream_sums_cached_tokens_over_prompts_counting_each_once() -> None:
+    """Each step carries the request's cached prompt tokens so far: summed over the prompts,
+    as their prompt tokens are; a prompt's greedy copies (a request each) count once, with
+    the fewest any copy read (one computed the prompt, the other may have read it)."""
+
+    async def steps(cached: int) -> AsyncIterator[StepOutput]:
+        for i in range(2):
+            await asyncio.sleep(0)
+            yield StepOutput([Chunk(0, "x", 1)], 10, i == 1, cached_tokens=cached)
+
+    out = [step async for step in merge_steps([steps(8), steps(4)], n=1)]
+    assert out[-1].finished and out[-1].cached_tokens == 12
+    copies = [steps(0), steps(8), steps(4), steps(4)]  # two prompts, two copies each
+    out = [step async for step in merge_steps(copies, n=1, copies=2)]
+    assert out[-1].finished and out[-1].cached_tokens == 0 + 4
+
+
 async def test_batched_stream_raises_an_engine_error_and_closes_the_rest() -> None:
     closed: list[int] = []
 

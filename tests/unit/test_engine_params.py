@@ -184,6 +184,25 @@ async def test_an_engine_finish_reason_error_is_an_engine_failure() -> None:
     assert texts == ["a"]
 
 
+async def test_steps_carry_the_prompt_tokens_read_from_the_prefix_cache() -> None:
+    """vLLM's ``num_cached_tokens``, on every output from the first on; None (a version or an
+    output that has none) or missing is 0."""
+    for given, expected in ((7, 7), (None, 0), ("missing", 0)):
+        cached = {} if given == "missing" else {"num_cached_tokens": given}
+
+        async def generate(*args: Any, cached: dict[str, Any] = cached, **kwargs: Any) -> AsyncIterator[Any]:
+            for reason in (None, "stop"):
+                out = SimpleNamespace(index=0, text="a", token_ids=[7], finish_reason=reason, logprobs=None)
+                yield SimpleNamespace(
+                    outputs=[out], prompt_token_ids=[1] * 9, finished=bool(reason), **cached
+                )
+
+        engine = _manager_on(_vllm_engine(generate=generate))
+        params = _sampling_params(SamplingSpec(max_tokens=4))
+        steps = [step async for step in engine.generate([1] * 9, params, "r", None)]
+        assert [(s.prompt_tokens, s.cached_tokens) for s in steps] == [(9, expected)] * 2
+
+
 async def test_a_full_engine_queue_is_a_503_not_an_engine_failure(caplog: pytest.LogCaptureFixture) -> None:
     """vLLM's admission control (``max_num_queued_reqs`` in ``engine.engine_args``) turns a
     request away with a 503, as vLLM's server answers it: it was a 500 "the engine failed to

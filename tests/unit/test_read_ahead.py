@@ -41,6 +41,17 @@ async def test_steps_not_taken_are_merged_by_choice_and_the_end_is_seen_at_once(
     assert [t.token for t in merged[0].chunks[1].logprobs or []] == ["x", "y", "z"]
 
 
+async def test_merged_steps_keep_the_cached_prompt_tokens() -> None:
+    steps = [step(["a"]), step(["b"]), step(["c"], True)]
+    for s in steps:
+        s.cached_tokens = 2
+    ended = asyncio.Event()
+    ahead = ReadAhead(engine(steps), ended.set)
+    await asyncio.wait_for(ended.wait(), 1)
+    merged = [s async for s in ahead]
+    assert len(merged) == 1 and merged[0].cached_tokens == 2
+
+
 async def test_an_engine_error_comes_after_the_steps_before_it() -> None:
     ahead = ReadAhead(engine([step(["a"])], fail=True), lambda: None)
     await asyncio.sleep(0.01)

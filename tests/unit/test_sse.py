@@ -101,6 +101,7 @@ async def test_openai_chat_chunks_parse_and_end_with_done() -> None:
         "prompt_tokens": 3,
         "completion_tokens": 3,
         "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
