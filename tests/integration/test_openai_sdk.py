@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import openai
@@ -147,6 +148,26 @@ def test_completions(client: openai.OpenAI, base_model: str) -> None:
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens(client: openai.OpenAI, base_model: str) -> None:
+    """The engine's prefix cache (on by default; 128-token blocks on CPU, only whole blocks
+    are shared) serves a prompt seen before: usage says how many of its tokens it read there.
+    The prompt opens with text of its own, so its first sending finds nothing cached."""
+    text = f"{uuid.uuid4()}: " + " ".join(
+        f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(40)
+    )
+    messages = [{"role": "user", "content": text}]
+    first = client.chat.completions.create(model=base_model, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    second = client.chat.completions.create(model=base_model, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert first.usage is not None and first.usage.prompt_tokens > 256
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert 0 < (second.usage.prompt_tokens_details.cached_tokens or 0) <= second.usage.prompt_tokens
+    # The Responses API renders the same conversation: its first sending finds it cached.
+    response = client.responses.create(model=base_model, input=text, max_output_tokens=1, store=False)
+    assert response.usage is not None and response.usage.input_tokens_details.cached_tokens > 0
 
 
 async def test_async_client_streaming_and_not(aclient: openai.AsyncOpenAI, base_model: str) -> None:
