@@ -40,7 +40,7 @@ from pydantic import (
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest, null_is_default
 from gateway.structured import FORMAT_NAME, TEXT, check_schema
-from gateway.tools import UnansweredCall, UnknownCallAnswered
+from gateway.tools import FunctionDef, UnansweredCall, UnknownCallAnswered
 from gateway.types import Constraint
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -298,10 +298,20 @@ def _text(content: Any, param: str, refusals: bool = False) -> str:
     return "\n".join(texts)  # as vLLM joins text parts
 
 
+class ResponsesFunction(FunctionDef):
+    """A Responses function tool: strict unless it says ``strict: false`` (OpenAI: "if you omit
+    strict, ... Responses requests will normalize your schema into strict mode", chat's tools
+    stay non-strict). Its schema is taken as given, not rewritten, and ``strict`` is kept as
+    sent: the chat template shows the tool as vLLM's server does, not with a ``strict: true``
+    the client never wrote."""
+
+    @property
+    def is_strict(self) -> bool:
+        return self.strict is not False
+
+
 def _strict(tool: dict[str, Any]) -> Any:
-    """A Responses function tool is strict unless it says ``strict: false`` (OpenAI: "if you
-    omit strict, ... Responses requests will normalize your schema into strict mode", chat's
-    tools stay non-strict). Its schema is taken as given, not rewritten."""
+    """``strict`` as a Response shows a function tool: true unless it says false."""
     strict = tool.get("strict")
     return True if strict is None else strict
 
@@ -328,9 +338,13 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
                     f"tools of type '{str(kind)[:40]}' are not supported (function tools only)",
                     param=f"tools[{i}].type",
                 )
-            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-            function["strict"] = _strict(tool)
-            tools.append({"type": "function", "function": function})
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            try:
+                tools.append({"type": "function", "function": ResponsesFunction.model_validate(function)})
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                param = ".".join([f"tools[{i}]", *map(str, err["loc"])])
+                raise InvalidRequest(f"{param}: {err['msg']}", param=param) from None
         out["tools"] = tools
     choice = body.tool_choice
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):

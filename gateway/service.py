@@ -752,7 +752,9 @@ def _or_calls(
             "use a JSON schema, or tool_choice 'none'",
             param=param or "structured_outputs",
         )
-    decoded = frozenset(fn.name for fn in plan.tools if fn.strict and _holds(grammar, arguments_schema(fn)))
+    decoded = frozenset(
+        fn.name for fn in plan.tools if fn.is_strict and _holds(grammar, arguments_schema(fn))
+    )
     plan = replace(plan, formatted=True)
     return plan, Constraint("json", answer_or_calls_schema(plan.tools, plan.parallel, shape.value, decoded))
 

@@ -65,7 +65,25 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = None  # as the client sent it (``is_strict``: what it means)
+
+    @property
+    def is_strict(self) -> bool:
+        """Whether its calls must follow ``parameters``: on chat, where it says ``strict: true``."""
+        return bool(self.strict)
+
+    def offered(self) -> dict[str, Any]:
+        """The function as vLLM's server hands it to the chat template: ``description`` and
+        ``parameters`` always, null where not given (a template that writes the tool as JSON
+        shows them), ``strict`` only where the client sent it."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+        }
+        if self.strict is not None:
+            out["strict"] = self.strict
+        return out
 
 
 class ToolDef(BaseModel):
@@ -152,10 +170,11 @@ NO_TOOLS = ToolPlan("none")
 
 
 def offered_tools(functions: Sequence[FunctionDef]) -> list[dict[str, Any]] | None:
-    """The chat template's ``tools`` argument for these functions (None: none offered)."""
+    """The chat template's ``tools`` argument for these functions (None: none offered), each
+    as vLLM's server renders it (``FunctionDef.offered``), so that a prompt is vLLM's."""
     if not functions:
         return None
-    return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+    return [{"type": "function", "function": f.offered()} for f in functions]
 
 
 def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
@@ -639,7 +658,7 @@ def _validator_for(text: str) -> jsonschema.protocols.Validator:
 def _strict_validator(fn: FunctionDef) -> jsonschema.protocols.Validator | None:
     """A validator of ``fn``'s arguments if it is strict (cached by its schema's text: an
     app sends the same tools with every request); None if it is not."""
-    if not fn.strict:
+    if not fn.is_strict:
         return None
     return _validator_for(json.dumps(fn.parameters or {}, sort_keys=True))
 

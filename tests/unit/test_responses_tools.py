@@ -11,6 +11,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.catalog import Catalog, Route
+from gateway.responses_api import ResponsesRequest, chat_request, input_messages
+from gateway.tools import plan_tools
 from gateway.types import Constraint
 from tests.unit.test_responses_app import FailingEngine, ReadyEngine, make_app, message_events, prompt_of, sdk
 
@@ -370,6 +372,42 @@ def test_a_tool_without_strict_is_decoded_and_echoed_as_a_strict_one(strict: Any
     _, free = _answer({**tool, "strict": False}, ["{}"], text=A_FORMAT)
     assert decoded == strict_decoded != free
     assert omitted["tools"][0]["strict"] is True
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        WEATHER,  # strict left out: strict, but not written into the prompt
+        {**WEATHER, "strict": None},
+        {**WEATHER, "strict": True},
+        {**WEATHER, "strict": False},
+        TIME,  # no description
+        {"type": "function", "name": "ping"},  # no description, no parameters
+    ],
+)
+def test_responses_tools_reach_the_template_as_vllms_server_hands_them(tool: dict[str, Any]) -> None:
+    """vLLM's Responses server gives the chat template each function tool as sent, in chat's
+    shape (``construct_tool_dicts``). The gateway wrote ``"strict": true`` into the prompt of
+    a tool that left ``strict`` out (it is read as strict, which is the grammar's business,
+    not the prompt's), and left out a missing description's null: 4 and 5 tokens off
+    ``vllm serve``'s prompt."""
+    utils = pytest.importorskip("vllm.entrypoints.openai.responses.utils")
+    protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
+    body = {"model": "m", "input": "Hi", "tools": [tool]}
+    vllms = protocol.ResponsesRequest.model_validate(body)
+    ours = ResponsesRequest.model_validate(body)
+    plan = plan_tools(chat_request(ours, [], input_messages(ours.input)))
+    assert plan.template_tools() == utils.construct_tool_dicts(vllms.tools, vllms.tool_choice)
+    assert [fn.is_strict for fn in plan.tools] == [tool.get("strict") is not False]
+
+
+def test_a_responses_tool_that_is_no_function_is_a_400_naming_its_field() -> None:
+    http, _ = app(["Hi"])
+    bad = {"type": "function", "name": "no spaces allowed"}
+    r = http.post(
+        "/v1/responses", json={"model": "base-model", "input": "Hi", "tools": [WEATHER, bad]}, headers=ALICE
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].name", r.text
 
 
 def test_a_tool_without_strict_takes_no_arguments_outside_its_schema() -> None:

@@ -65,7 +65,29 @@ def test_tools_default_to_auto_without_a_grammar() -> None:
     plan = plan_tools(request(tools=[WEATHER, ADD]))
     assert plan.mode == "auto" and plan.constraint is None
     assert plan.names == {"get_weather": None, "add": None}  # neither strict: no validator
-    assert plan.template_tools() == [WEATHER, ADD]
+    add = {"type": "function", "function": {**ADD["function"], "description": None}}  # as vLLM's
+    assert plan.template_tools() == [WEATHER, add]
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        WEATHER,
+        ADD,  # no description
+        {"type": "function", "function": {"name": "ping"}},  # no description, no parameters
+        {"type": "function", "function": {**WEATHER["function"], "strict": True}},
+        {"type": "function", "function": {**WEATHER["function"], "strict": False}},
+    ],
+)
+def test_tools_reach_the_template_as_vllms_server_hands_them(tool: dict[str, Any]) -> None:
+    """vLLM's server gives the chat template each tool as its ``ChatCompletionToolsParam``
+    dumps it: ``description`` and ``parameters`` null where left out (a template that writes
+    the tool as JSON shows ``"description": null``), ``strict`` only where sent. The gateway
+    left the nulls out: a tool without a description made a prompt 5 tokens shorter than
+    ``vllm serve``'s for the same request."""
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    vllms = protocol.ChatCompletionToolsParam.model_validate(tool).model_dump()
+    assert plan_tools(request(tools=[tool])).template_tools() == [vllms]
 
 
 STRICT = {
