@@ -320,10 +320,21 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Role
-    content: str | list[TextPart] | None = None
+    # Validated when left out too: only an assistant's may be (``_content_needed``).
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, content: Any, info: ValidationInfo) -> Any:
+        """OpenAI requires the content of every message but an assistant's (vLLM's server too:
+        a 400); rendered as empty text, such a turn became a prompt neither would send."""
+        role = info.data.get("role")
+        if content is None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message needs content: a string or a list of text parts")
+        return content
 
     @field_validator("content", mode="before")
     @classmethod

@@ -240,6 +240,20 @@ def test_an_assistant_refusal_part_is_its_text() -> None:
     assert refused(chat, messages=[{"role": "user", "content": refusal}]) == "messages.0.content"
 
 
+@pytest.mark.parametrize("left_out", [True, False])
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_only_an_assistant_message_may_have_no_content(role: str, left_out: bool) -> None:
+    """OpenAI requires the content of every message but an assistant's, and vLLM's server
+    answers 400 without it. The gateway rendered such a turn as empty text: a prompt that
+    neither would have sent, for a request both refuse."""
+    message: dict[str, Any] = {"role": role} if left_out else {"role": role, "content": None}
+    if role == "tool":
+        message["tool_call_id"] = "call_1"
+    assert refused(chat, messages=[message]) == "messages.0.content"
+    assistant = {"role": "assistant"} if left_out else {"role": "assistant", "content": None}
+    assert chat(messages=[*USER, assistant, *USER]).messages[1].text == ""
+
+
 def test_a_deprecated_function_call_in_the_history_is_refused() -> None:
     # It was dropped: the model answered as if the call had never been made.
     call = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
