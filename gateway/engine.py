@@ -103,7 +103,7 @@ class EngineManager:
             # engine it builds and shut that down rather than leave its workers behind.
             with contextlib.suppress(Exception):
                 await creating
-                await asyncio.to_thread(box.pop("engine").shutdown)
+                await _shut_down(box.pop("engine"))
             raise
         engine = box.pop("engine")
         # Built outside a running loop, vLLM starts its output task lazily; one round trip
@@ -112,7 +112,7 @@ class EngineManager:
             await engine.list_loras()
         except BaseException:  # failed or stopped: nobody else holds it to shut it down
             with contextlib.suppress(Exception):
-                await asyncio.shield(asyncio.to_thread(engine.shutdown))
+                await asyncio.shield(_shut_down(engine))
             raise
         return engine
 
@@ -170,7 +170,7 @@ class EngineManager:
     async def shutdown(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            await asyncio.to_thread(engine.shutdown)
+            await _shut_down(engine)
             log.info("engine shut down")
 
     # -- state ------------------------------------------------------------------------
@@ -460,6 +460,18 @@ def _sampling_params(s: SamplingSpec) -> Any:
         output_kind=RequestOutputKind.DELTA,
         **extra,
     )
+
+
+async def _shut_down(engine: Any) -> None:
+    """``engine.shutdown()`` in a thread (it blocks for seconds). vLLM's output task is
+    cancelled first, here on the loop: left running while the engine core stops, it reads the
+    dead core and logs an ERROR traceback (EngineDeadError) on every clean stop. (vLLM's
+    server calls ``shutdown`` on its loop, so that task never runs in between.)"""
+    handler = getattr(engine, "output_handler", None)
+    if isinstance(handler, asyncio.Task) and not handler.done():
+        handler.cancel()
+        await asyncio.wait([handler])  # its end, not its CancelledError
+    await asyncio.to_thread(engine.shutdown)
 
 
 def _lora_request(lora: LoraSpec) -> Any:

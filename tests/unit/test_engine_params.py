@@ -669,3 +669,34 @@ async def test_a_refusal_of_vllms_names_the_clients_field(body: dict[str, Any], 
                 CompletionRequest.model_validate({"model": "base", **body}), catalog.acquire("base")
             )
     assert info.value.param == param
+
+
+async def test_vllms_output_task_stops_before_the_engine_core() -> None:
+    """``shutdown`` ran vLLM's ``AsyncLLM.shutdown`` in a thread while its output task kept
+    running on the loop: that task read the stopped engine core and logged an ERROR
+    traceback (EngineDeadError) on every clean stop (``make serve``, then SIGTERM)."""
+    loop = asyncio.get_running_loop()
+    core_stopped = asyncio.Event()
+    seen: list[str] = []
+
+    async def output_handler() -> None:  # as vLLM's: waits on the engine core's outputs
+        await core_stopped.wait()
+        seen.append("read a dead engine core")
+
+    class Engine:
+        def __init__(self) -> None:
+            self.output_handler = asyncio.ensure_future(output_handler())
+
+        def shutdown(self) -> None:  # vLLM: the engine core first, its output task after
+            loop.call_soon_threadsafe(core_stopped.set)
+            import time
+
+            time.sleep(0.2)  # stopping the core takes seconds; the loop runs meanwhile
+            loop.call_soon_threadsafe(self.output_handler.cancel)
+
+    built = Engine()
+    manager = EngineManager(EngineSettings(model="/models/m"), Path("."))
+    manager._engine = built  # as ``start`` leaves it
+    await manager.shutdown()
+    await asyncio.sleep(0)
+    assert built.output_handler.done() and not seen
