@@ -11,7 +11,10 @@ A client's regex run against text it chose (a strict function's arguments, an ``
 value) must not run under ``re``: it backtracks without bound (``^(a+)+$`` against 30 a's
 and a ``!`` takes minutes) and holds the GIL meanwhile, so every stream stalls, even when
 the check runs in a thread. ``bounded`` validators run them with the ``regex`` module,
-which stops at a time limit and lets go of the GIL while it matches.
+which stops at a time limit and lets go of the GIL while it matches. It compiles a repeat by
+writing its minimum count out, copy by copy, where ``re`` keeps one copy and the count:
+``a{4294967294}``, 14 bytes of schema, would take all the machine's memory. A regex whose
+counts write out more than ``MAX_REPEAT_COPIES`` is not run.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import contextvars
 import functools
 import json
 import re
+import re._constants as _sre
+import re._parser as _parser
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -123,8 +128,8 @@ _Errors = Iterator[ValidationError]  # what a keyword's check yields
 
 
 class RegexTooSlow(ValueError):
-    """A schema's regexes took longer than their budget on an instance (``regex_budget``):
-    the instance cannot be shown valid."""
+    """A schema's regexes took longer than their budget on an instance (``regex_budget``),
+    or one cannot be run here: the instance cannot be shown valid."""
 
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("regex_deadline", default=None)
@@ -141,13 +146,57 @@ def regex_budget(seconds: float = REGEX_BUDGET_S) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+MAX_REPEAT_COPIES = 5000  # about 3 MB compiled; a schema's own counts are far lower
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
+
+
+def repeat_copies(pattern: str) -> int:
+    """How many more nodes than it spells ``pattern`` has once each repeat's minimum count
+    is written out (``(ab){3}`` as ``ababab``: 4; nested counts multiply), read by ``re``'s
+    parser, as the meta-schema check reads it (``re.error``: not a regex)."""
+    tree = _parser.parse(python_regex(pattern))
+    return _written(tree, unrolled=True) - _written(tree, unrolled=False)
+
+
+def _written(items: Any, unrolled: bool) -> int:
+    size = 0
+    for op, arg in items:
+        if op in _REPEATS:
+            least, _, item = arg
+            size += _written(item, unrolled) * (max(least, 1) if unrolled else 1)
+        else:  # a node, and the patterns in it (a group's, an alternation's branches...)
+            size += 1 + sum(_written(sub, unrolled) for sub in _inner(arg))
+    return size
+
+
+def _inner(arg: Any) -> Iterator[Any]:
+    if isinstance(arg, _parser.SubPattern):
+        yield arg
+    elif isinstance(arg, tuple | list):
+        for part in arg:
+            yield from _inner(part)
+
+
+@functools.lru_cache(maxsize=32)  # at most ~100 MB, where the module's own cache keeps 500
+def _compiled(pattern: str) -> Any:
+    """``pattern`` compiled by the regex module; one that repeats too much, or that ``re``
+    cannot read, is not (``RegexTooSlow``)."""
+    try:
+        copies = repeat_copies(pattern)
+    except (re.error, RecursionError) as exc:
+        raise RegexTooSlow(f"a regex of the schema cannot be run: {exc}") from None
+    if copies > MAX_REPEAT_COPIES:
+        raise RegexTooSlow(f"a regex of the schema repeats more than {MAX_REPEAT_COPIES} times in all")
+    return regex.compile(pattern, cache_pattern=False)
+
+
 def _search(pattern: str, text: str) -> bool:
     deadline = _DEADLINE.get()
     left = (deadline - time.monotonic()) if deadline is not None else REGEX_BUDGET_S
     if left <= 0:
         raise RegexTooSlow(f"the schema's regexes took longer than {REGEX_BUDGET_S:g} s")
     try:
-        return regex.search(pattern, text, timeout=left) is not None
+        return _compiled(pattern).search(text, timeout=left) is not None
     except TimeoutError:
         raise RegexTooSlow(f"the schema's regexes took longer than {REGEX_BUDGET_S:g} s") from None
     except regex.error as exc:

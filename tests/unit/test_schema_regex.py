@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from gateway.schema_regex import has_lookahead, python_patterns, python_regex
+from gateway.schema_regex import has_lookahead, python_patterns, python_regex, repeat_copies
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,19 @@ def test_only_patterns_in_schema_places_are_respelled() -> None:
         "patternProperties": {"(?P<k>y)": {"items": [{"pattern": "(?P<i>z)"}]}},
         "enum": [{"pattern": "(?<data>d)"}],
     }
+
+
+@pytest.mark.parametrize(
+    ("pattern", "copies"),
+    [
+        ("^[0-9]{4}-[0-9]{2}$", 3 + 1),
+        ("(ab){3}", 2 * 3),  # written out as (ab)(ab)(ab): a group and its two letters, twice more
+        ("(a{10}){10}", 10 * 11 - 2),  # nested counts multiply: ten groups of ten a's, for one of one
+        ("a{0,100000}|b{1,}|c*", 0),  # only a minimum is written out
+        (r"\{100000}|[{]", 0),  # a brace escaped: no count
+        ("(?<y>a{3})", 2),  # ECMA's named group
+        ("(?x)(a{100})#)\n{100}", 100 * 101 - 2),  # a verbose comment hides no repeat
+    ],
+)
+def test_repeat_copies_are_counted_as_the_regex_module_writes_them_out(pattern: str, copies: int) -> None:
+    assert repeat_copies(pattern) == copies

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import tracemalloc
 from typing import Any
 
 import jsonschema
@@ -193,6 +194,34 @@ async def test_a_strict_functions_pattern_does_not_stall_the_loop_on_the_models_
     valid = json.dumps({"name": "f", "arguments": {"x": "aaaa"}})
     whole = make_gen([valid], tools=[tool])
     assert len(tool_chat_response(whole, await whole.collect())["choices"][0]["message"]["tool_calls"]) == 1
+
+
+async def test_a_strict_functions_large_repeat_count_is_no_memory_bomb() -> None:
+    """Checking the model's arguments compiled the client's regex with the regex module, which
+    writes a repeat's minimum count out copy by copy: ``a{200000}`` took 50 MB, and
+    ``a{4294967294}`` (14 bytes of schema) all the machine had. Such a regex is not run (the
+    call cannot be shown valid: content); a count a schema uses as such still is."""
+    from gateway.sse_tools import tool_chat_response
+
+    def tool(pattern: str) -> dict[str, Any]:
+        schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": pattern}}}
+        return {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+
+    answer = json.dumps({"name": "f", "arguments": {"x": "aaaa"}})
+    tracemalloc.start()
+    try:
+        whole = make_gen([answer], tools=[tool("^a{200000}$")])
+        message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 * 2**20, peak
+    assert message["content"] == answer and not message.get("tool_calls")
+    for x, calls in (("a" * 4000, 1), ("a" * 3999, 0)):
+        answer = json.dumps({"name": "f", "arguments": {"x": x}})
+        whole = make_gen([answer], tools=[tool("^a{4000}$")])
+        message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+        assert len(message.get("tool_calls") or []) == calls
 
 
 def test_tool_choice_none_still_renders_the_tools() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import tracemalloc
 from typing import Any
 
 import jsonschema
@@ -158,6 +159,23 @@ def test_enum_beside_a_nested_pattern_is_no_redos(pattern: str, where: Any) -> N
     start = time.perf_counter()
     xgrammar_gap(schema)
     assert time.perf_counter() - start < 1  # ~6 s at 27 letters under re, doubling per letter
+
+
+@pytest.mark.parametrize("where", ["^a{200000}$", "^(?:ab){100000}$", "^(a{1000}){200}$"])
+def test_enum_beside_a_large_repeat_count_is_no_memory_bomb(where: str) -> None:
+    """The regex module writes a repeat's minimum count out, copy by copy, as it compiles:
+    ``a{200000}`` took 50 MB and ``a{4294967294}`` (14 bytes of schema) every byte the
+    machine had, where Python's re (and xgrammar) keep one copy and a count."""
+    schema = {"type": "string", "pattern": where, "enum": ["a"]}
+    tracemalloc.start()
+    try:
+        xgrammar_gap(schema)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 * 2**20, peak
+    judged = {"type": "string", "pattern": "^a{4000}$", "enum": ["a" * 4000, "b"]}  # a count used as such
+    assert xgrammar_gap(judged) is not None and '("b", at enum)' in (xgrammar_gap(judged) or "")
 
 
 # -- 7. crash: the enum check's validator raising on keywords its own draft has not checked ------
