@@ -6,7 +6,15 @@ import re
 
 import pytest
 
-from gateway.schema_regex import has_lookahead, python_patterns, python_regex, repeat_copies
+from gateway.schema_regex import (
+    RegexTooSlow,
+    bounded_validator,
+    has_lookahead,
+    python_patterns,
+    python_regex,
+    regex_budget,
+    repeat_copies,
+)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +61,7 @@ def test_only_patterns_in_schema_places_are_respelled() -> None:
         ("(ab){3}", 2 * 3),  # written out as (ab)(ab)(ab): a group and its two letters, twice more
         ("(a{10}){10}", 10 * 11 - 2),  # nested counts multiply: ten groups of ten a's, for one of one
         ("a{0,100000}|b{1,}|c*", 0),  # only a minimum is written out
+        ("a{100}?b{100}+", 2 * 99),  # lazy and possessive repeats too
         (r"\{100000}|[{]", 0),  # a brace escaped: no count
         ("(?<y>a{3})", 2),  # ECMA's named group
         ("(?x)(a{100})#)\n{100}", 100 * 101 - 2),  # a verbose comment hides no repeat
@@ -60,3 +69,12 @@ def test_only_patterns_in_schema_places_are_respelled() -> None:
 )
 def test_repeat_copies_are_counted_as_the_regex_module_writes_them_out(pattern: str, copies: int) -> None:
     assert repeat_copies(pattern) == copies
+
+
+def test_a_bounded_validators_regexes_are_bounded_outside_a_budget_too() -> None:
+    validator = bounded_validator({"pattern": "^(a|aa)+$"})
+    with pytest.raises(RegexTooSlow):  # seconds in the regex module: stopped at REGEX_BUDGET_S
+        validator.is_valid("a" * 36 + "!")
+    with regex_budget(0), pytest.raises(RegexTooSlow):  # a budget spent
+        validator.is_valid("a")
+    assert validator.is_valid("aa") and not validator.is_valid("b")  # gone with its block

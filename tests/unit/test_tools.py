@@ -11,6 +11,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+import regex
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest
@@ -196,31 +197,116 @@ async def test_a_strict_functions_pattern_does_not_stall_the_loop_on_the_models_
     assert len(tool_chat_response(whole, await whole.collect())["choices"][0]["message"]["tool_calls"]) == 1
 
 
+def strict_tool(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "strict": True, "parameters": parameters}}
+
+
+async def answered(arguments: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """The message of a whole chat answer that calls ``f`` (strict, ``parameters``) so."""
+    from gateway.sse_tools import tool_chat_response
+
+    whole = make_gen([json.dumps({"name": "f", "arguments": arguments})], tools=[strict_tool(parameters)])
+    message: dict[str, Any] = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+    return message
+
+
+DRAFT_4 = "http://json-schema.org/draft-04/schema#"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "arguments", "valid"),
+    [
+        ({"properties": {"x": {"pattern": "^a"}}}, {"x": 5}, True),  # a pattern judges strings only
+        ({"properties": {"x": {"patternProperties": {"^a": {"type": "string"}}}}}, {"x": 5}, True),
+        ({"patternProperties": {"^a": {"type": "integer"}}}, {"ab": "x"}, False),
+        ({"patternProperties": {"^a": {}, "^b": {}}, "additionalProperties": False}, {"b": 1}, True),
+        ({"patternProperties": {"^a": {}, "^b": {}}, "additionalProperties": False}, {"c": 1}, False),
+        ({"properties": {"x": {}}, "additionalProperties": True}, {"k": 1}, True),
+        ({"additionalProperties": {"type": "integer"}}, {"k": 1}, True),
+        ({"additionalProperties": {"type": "integer"}}, {"k": "one"}, False),
+        ({"properties": {"x": {}}, "unevaluatedProperties": False}, {"x": 1}, True),
+        ({"properties": {"x": {}}, "unevaluatedProperties": False}, {"y": 1}, False),
+    ],
+)
+async def test_a_strict_functions_arguments_are_judged_as_json_schema_judges_them(
+    parameters: dict[str, Any], arguments: dict[str, Any], valid: bool
+) -> None:
+    """The bounded validator (its regexes under a time bound) keeps JSON Schema's reading:
+    a call whose arguments validate is a call, any other is content."""
+    schema = {"type": "object", **parameters}
+    assert jsonschema.Draft202012Validator(schema).is_valid(arguments) is valid  # the reference
+    message = await answered(arguments, schema)
+    assert len(message.get("tool_calls") or []) == int(valid)
+    assert (message["content"] is None) is valid
+
+
+async def test_a_draft_4_pattern_property_that_is_no_regex_makes_content_not_a_500() -> None:
+    # draft-04's meta-schema leaves patternProperties' keys unchecked: "(" reaches the validator
+    schema = {"$schema": DRAFT_4, "type": "object", "patternProperties": {"(": {}}}
+    message = await answered({"k": 1}, schema)
+    assert message["content"] and not message.get("tool_calls")
+
+
+async def test_unevaluated_properties_beside_a_client_pattern_do_not_stall_the_loop() -> None:
+    """jsonschema finds the keys ``unevaluatedProperties`` leaves with Python's re, which
+    backtracks without bound (seconds for ``^(a+)+$`` on 27 a's and a ``!``): such an object
+    is not judged (content), at once."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^(a+)+$": {"type": "string"}},
+        "unevaluatedProperties": False,
+    }
+    start = time.perf_counter()
+    message = await answered({"a" * 27 + "!": "y"}, schema)
+    assert time.perf_counter() - start < 1
+    assert message["content"] and not message.get("tool_calls")
+
+
+def slow_key_length(least_s: float) -> int:
+    """How many a's (then a ``!``) make ``SLOW`` take at least ``least_s`` in the regex
+    module here, and well under a check's whole budget."""
+    for n in range(8, 40):
+        start = time.perf_counter()
+        regex.search(SLOW, "a" * n + "!")
+        if time.perf_counter() - start >= least_s:
+            return n
+    raise AssertionError("no length is slow enough")
+
+
+SLOW = "^(a|aa)+$"  # slow in the regex module too: its time grows by 1.6 with each letter
+
+
+async def test_a_strict_functions_regexes_share_one_time_budget() -> None:
+    """200 keys, each a few ms under a ``patternProperties`` regex: each within the per-regex
+    bound, a second together. The check's regexes share one budget, so the arguments are not
+    shown valid (content) within about that budget."""
+    n = slow_key_length(0.005)
+    arguments = {"a" * n + f"!{i}": 1 for i in range(200)}
+    start = time.perf_counter()
+    message = await answered(arguments, {"type": "object", "patternProperties": {SLOW: {}}})
+    assert time.perf_counter() - start < 0.5
+    assert message["content"] and not message.get("tool_calls")
+
+
 async def test_a_strict_functions_large_repeat_count_is_no_memory_bomb() -> None:
     """Checking the model's arguments compiled the client's regex with the regex module, which
     writes a repeat's minimum count out copy by copy: ``a{200000}`` took 50 MB, and
     ``a{4294967294}`` (14 bytes of schema) all the machine had. Such a regex is not run (the
     call cannot be shown valid: content); a count a schema uses as such still is."""
-    from gateway.sse_tools import tool_chat_response
 
-    def tool(pattern: str) -> dict[str, Any]:
-        schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": pattern}}}
-        return {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    def schema(pattern: str) -> dict[str, Any]:
+        return {"type": "object", "properties": {"x": {"type": "string", "pattern": pattern}}}
 
-    answer = json.dumps({"name": "f", "arguments": {"x": "aaaa"}})
     tracemalloc.start()
     try:
-        whole = make_gen([answer], tools=[tool("^a{200000}$")])
-        message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+        message = await answered({"x": "aaaa"}, schema("^a{200000}$"))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 5 * 2**20, peak
-    assert message["content"] == answer and not message.get("tool_calls")
+    assert message["content"] and not message.get("tool_calls")
     for x, calls in (("a" * 4000, 1), ("a" * 3999, 0)):
-        answer = json.dumps({"name": "f", "arguments": {"x": x}})
-        whole = make_gen([answer], tools=[tool("^a{4000}$")])
-        message = tool_chat_response(whole, await whole.collect())["choices"][0]["message"]
+        message = await answered({"x": x}, schema("^a{4000}$"))
         assert len(message.get("tool_calls") or []) == calls
 
 
