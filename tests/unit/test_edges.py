@@ -187,6 +187,28 @@ def test_vllm_bools_at_their_default_as_vllm_reads_them_are_accepted(name: str, 
         assert refused(chat, use_beam_search=bad) == "use_beam_search"
     assert refused(chat, echo="true") == "echo"
     assert refused(completion, skip_special_tokens="false") == "skip_special_tokens"
+    assert refused(completion, skip_special_tokens="x") == "skip_special_tokens"  # no bool at all
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "use_beam_search",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+        "continue_final_message",
+        "return_token_offsets",
+        "return_prompt_text",
+        "watermarking",
+    ],
+)
+def test_each_vllm_bool_the_gateway_lacks_is_served_at_false_in_any_spelling(name: str) -> None:
+    # vLLM types each of these as a bool, default false: a client sending a whole vLLM
+    # request may spell it 0 or "false"; true, in any spelling, asks for what is not here
+    for value in (False, 0, "false", "off"):
+        assert chat(**{name: value}).n == 1 and completion(**{name: value}).n == 1
+    for value in (True, 1, "true"):
+        assert refused(chat, **{name: value}) == name
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
