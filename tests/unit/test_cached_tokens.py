@@ -137,5 +137,7 @@ async def test_the_usage_sent_is_the_usage_documented(
     jsonschema.validate(answer, documented)
     usage = answer["usage"]
     details = "input_tokens_details" if "input_tokens" in usage else "prompt_tokens_details"
-    with pytest.raises(jsonschema.ValidationError):  # the document names the cached count
-        jsonschema.validate({**answer, "usage": {**usage, details: {}}}, documented)
+    without = {k: v for k, v in usage.items() if k != details}
+    for missing in ({**usage, details: {}}, without):  # the document names the cached count
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**answer, "usage": missing}, documented)

@@ -42,14 +42,16 @@ async def test_steps_not_taken_are_merged_by_choice_and_the_end_is_seen_at_once(
 
 
 async def test_merged_steps_keep_the_cached_prompt_tokens() -> None:
+    """A merged step carries the count of the last step in it: behind ``merge_steps`` (several
+    prompts of a LoRA request) the count grows as each prompt's first step arrives."""
     steps = [step(["a"]), step(["b"]), step(["c"], True)]
-    for s in steps:
-        s.cached_tokens = 2
+    for s, cached in zip(steps, (0, 2, 6), strict=True):
+        s.cached_tokens = cached
     ended = asyncio.Event()
     ahead = ReadAhead(engine(steps), ended.set)
     await asyncio.wait_for(ended.wait(), 1)
     merged = [s async for s in ahead]
-    assert len(merged) == 1 and merged[0].cached_tokens == 2
+    assert len(merged) == 1 and merged[0].cached_tokens == 6
 
 
 async def test_an_engine_error_comes_after_the_steps_before_it() -> None:

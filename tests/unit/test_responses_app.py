@@ -504,13 +504,17 @@ def test_stream_cut_short_ends_with_response_incomplete(http_nolife: TestClient)
 
 
 def test_engine_failure_mid_stream_is_response_failed() -> None:
-    http = make_app(FailingEngine(max_model_len=1000))
+    http = make_app(FailingEngine(max_model_len=1000, cached_tokens=2))
     events = list(sdk(http).responses.create(model="base-model", input="Hi", stream=True))
     assert events[-1].type == "response.failed"
     failed = events[-1].response
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
     assert failed.output_text == "Hello"
     assert failed.output[0].status == "incomplete"  # type: ignore[union-attr]  # cut off, not completed
+    whole = sdk(make_app(ReadyEngine(max_model_len=1000))).responses.create(model="base-model", input="Hi")
+    assert failed.usage is not None and whole.usage is not None  # the usage of what it ran
+    assert (failed.usage.input_tokens, failed.usage.output_tokens) == (whole.usage.input_tokens, 1)
+    assert failed.usage.input_tokens_details.cached_tokens == 2
 
 
 @pytest.mark.parametrize(

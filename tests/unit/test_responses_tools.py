@@ -276,6 +276,26 @@ def test_calls_then_text_sent_back_with_the_outputs_is_one_assistant_turn() -> N
     assert prompt_of(engine).endswith("user:Hi\nassistant:That is all.\ntool:noon\nmodel:")
 
 
+def test_only_an_answers_own_text_after_its_calls_joins_their_turn() -> None:
+    """As vLLM reads the items: an output message fills the calls' turn only where it has
+    no text yet. Text before the calls stays (the later text is a turn of its own), and a
+    user's or a system message after them is never the assistant's text."""
+    from gateway.responses_api import input_messages
+
+    call = {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    before_and_after = [{"role": "assistant", "content": "A"}, call, {"role": "assistant", "content": "B"}]
+    assert input_messages(before_and_after) == [
+        {"role": "assistant", "content": "A", "tool_calls": calls},
+        {"role": "assistant", "content": "B"},
+    ]
+    for role in ("user", "system", "developer"):
+        assert input_messages([call, {"role": role, "content": "U"}]) == [
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": role, "content": "U"},
+        ]
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -301,7 +321,7 @@ def test_bad_tool_fields_are_400_with_param(fields: dict[str, Any], param: str) 
 
 
 def test_engine_failure_mid_call_is_response_failed_with_the_call_so_far() -> None:
-    engine = FailingEngine(words=['{"city": ', '"Paris"}'], max_model_len=1000)
+    engine = FailingEngine(words=['{"city": ', '"Paris"}'], max_model_len=1000, cached_tokens=2)
     choice: Any = {"type": "function", "name": "get_weather"}
     events = list(
         sdk(make_app(engine)).responses.create(
@@ -312,6 +332,8 @@ def test_engine_failure_mid_call_is_response_failed_with_the_call_so_far() -> No
     assert failed.type == "response.failed" and failed.response.status == "failed"
     item = failed.response.output[0]
     assert item.type == "function_call" and item.status == "incomplete" and item.arguments == '{"city": '
+    usage = failed.response.usage  # the usage of what it ran
+    assert usage is not None and usage.output_tokens == 1 and usage.input_tokens_details.cached_tokens == 2
 
 
 def test_required_cut_short_whole_agrees_with_the_stream() -> None:
