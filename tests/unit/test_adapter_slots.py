@@ -496,14 +496,27 @@ def test_a_gateway_starting_beside_another_never_takes_its_folder_for_abandoned(
 
     from gateway import snapshots
 
-    made = tempfile.mkdtemp
+    made, locked = tempfile.mkdtemp, snapshots.fcntl.flock
+    starting = False
 
-    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+    def other_gateway_starts() -> None:
+        nonlocal starting
+        if not starting:  # (its own check of each folder's lock takes the lock too)
+            starting = True
+            snapshots._remove_abandoned(tmp_path)
+            starting = False
+
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:  # once the folder is made
         folder = made(*args, **kwargs)
-        snapshots._remove_abandoned(tmp_path)  # the other gateway's start, at this moment
+        other_gateway_starts()
         return folder
 
+    def flock(fd: Any, operation: int) -> None:  # and before its lock is taken
+        other_gateway_starts()
+        locked(fd, operation)
+
     monkeypatch.setattr(snapshots.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(snapshots.fcntl, "flock", flock)
     first = SnapshotDir(tmp_path)
     monkeypatch.undo()
     assert first.path.is_dir() and first.path.name.startswith("run-")

@@ -22,7 +22,7 @@ from gateway.engine import (
     model_defaults,
     one_grammar_backend,
 )
-from gateway.errors import EngineFailed, EngineUnavailable, InvalidRequest
+from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, RateLimited
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.service import ChatService
 from gateway.settings import EngineSettings, LimitSettings
@@ -221,6 +221,27 @@ async def test_a_full_engine_queue_is_a_503_not_an_engine_failure(caplog: pytest
                 pass
         assert info.value.status_code == 503 and "try again later" in info.value.message
     assert not caplog.records
+
+
+@pytest.mark.parametrize("status", [429, 409])
+async def test_the_engines_other_graceful_refusals_keep_their_status_or_fail(status: int) -> None:
+    """vLLM's GracefulHTTPError carries the status its server answers: 429 (a limit the client
+    waits out) stays a 429; another (409, a profiling session already running) is no busy
+    engine to retry on, but a request the engine failed."""
+    from http import HTTPStatus
+
+    from vllm.exceptions import GracefulHTTPError
+
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise GracefulHTTPError("turned away", HTTPStatus(status))
+        yield
+
+    engine = _manager_on(_vllm_engine(generate=generate))
+    with pytest.raises(GatewayError) as info:
+        async for _ in engine.generate([1], _sampling_params(SamplingSpec(max_tokens=4)), "r", None):
+            pass
+    assert type(info.value) is (RateLimited if status == 429 else EngineFailed)
+    assert info.value.status_code == (429 if status == 429 else 500)
 
 
 def test_a_constrained_request_gets_the_checks_of_a_plain_one(manager: tuple[EngineManager, _Checks]) -> None:

@@ -565,10 +565,13 @@ class AbortFailsEngine(FakeEngine):
         raise EngineUnavailable("the engine has stopped")
 
 
-async def test_an_abort_that_raises_still_aborts_the_other_engine_requests_quietly() -> None:
+async def test_an_abort_that_raises_still_aborts_the_other_engine_requests_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The abort runs in a task of its own that nobody awaits: an exception from the engine's
     abort stopped it before the generation's other engine requests (n=2 greedy: two of them),
-    and asyncio logged "Task exception was never retrieved" with its traceback."""
+    and asyncio logged "Task exception was never retrieved" with its traceback. Each failed
+    abort is a warning naming its request, for the operator."""
     engine = AbortFailsEngine(words=["a"] * 100, delay=0.01)
     service, catalog, scheduler = two_adapters_one_slot(engine)
     gen = await service.chat(chat(model="a", n=2, temperature=0), catalog.acquire("a"))
@@ -586,6 +589,10 @@ async def test_an_abort_that_raises_still_aborts_the_other_engine_requests_quiet
         loop.set_exception_handler(handler)
     assert engine.aborted == [f"{gen.id}-0", f"{gen.id}-1"]
     assert unhandled == []
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [m for m in warned if "could not abort" in m] == [
+        f"could not abort engine request {gen.id}-{i}: the engine has stopped" for i in range(2)
+    ]
     assert scheduler.snapshot()["active"] == {} and catalog.in_use() == {}
 
 
