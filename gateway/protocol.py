@@ -569,10 +569,12 @@ def _union_member(part: str | int) -> bool:
     return isinstance(part, str) and (part == "[key]" or _MEMBER.fullmatch(part) is not None)
 
 
-def invalid_request(exc: ValidationError) -> InvalidRequest:
-    """A request model's first validation error as a 400 naming the field."""
+def invalid_request(exc: ValidationError, at: str | None = None) -> InvalidRequest:
+    """A request model's first validation error as a 400 naming the field (under ``at``, the
+    place of the model validated in the request: ``tools[1]``)."""
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
+    fields = [str(p) for p in err["loc"] if not _union_member(p)]
+    param = ".".join([at, *fields] if at else fields) or None
     message = err["msg"].removeprefix("Value error, ")
     return InvalidRequest(f"{param}: {message}" if param else message, param=param)
 

@@ -38,7 +38,7 @@ from pydantic import (
 )
 
 from gateway.errors import InvalidRequest
-from gateway.protocol import ChatCompletionRequest, null_is_default
+from gateway.protocol import ChatCompletionRequest, invalid_request, null_is_default
 from gateway.structured import FORMAT_NAME, TEXT, check_schema
 from gateway.tools import FunctionDef, UnansweredCall, UnknownCallAnswered
 from gateway.types import Constraint
@@ -342,9 +342,7 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
             try:
                 tools.append({"type": "function", "function": ResponsesFunction.model_validate(function)})
             except ValidationError as exc:
-                err = exc.errors()[0]
-                param = ".".join([f"tools[{i}]", *map(str, err["loc"])])
-                raise InvalidRequest(f"{param}: {err['msg']}", param=param) from None
+                raise invalid_request(exc, f"tools[{i}]") from None
         out["tools"] = tools
     choice = body.tool_choice
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
