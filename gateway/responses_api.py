@@ -338,11 +338,15 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
                     f"tools of type '{str(kind)[:40]}' are not supported (function tools only)",
                     param=f"tools[{i}].type",
                 )
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
             try:
-                tools.append({"type": "function", "function": ResponsesFunction.model_validate(function)})
+                function = ResponsesFunction.model_validate(fields)
             except ValidationError as exc:
                 raise invalid_request(exc, f"tools[{i}]") from None
+            chat_tool: dict[str, Any] = {"type": "function", "function": function}
+            if "defer_loading" in tool:  # judged on the chat side (``plan_tools``)
+                chat_tool["defer_loading"] = tool["defer_loading"]
+            tools.append(chat_tool)
         out["tools"] = tools
     choice = body.tool_choice
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
@@ -379,7 +383,13 @@ def chat_request(
         )
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = "input" if not err["loc"] or err["loc"][0] == "messages" else str(err["loc"][0])
+        loc = err["loc"]
+        if not loc or loc[0] == "messages":
+            param = "input"
+        elif loc[0] == "tools" and len(loc) > 2:  # a tool's own field (``defer_loading``)
+            param = f"tools[{loc[1]}].{loc[2]}"
+        else:
+            param = str(loc[0])
         raise InvalidRequest(f"{param}: {err['msg'].removeprefix('Value error, ')}", param=param) from None
 
 

@@ -91,6 +91,9 @@ class ToolDef(BaseModel):
 
     type: Literal["function"]
     function: FunctionDef
+    # OpenAI's tool search: a deferred tool stays hidden from the model until a search finds
+    # it. This gateway has no tool search and shows every tool, so ``true`` is refused.
+    defer_loading: bool | None = None
 
 
 class FunctionName(BaseModel):
@@ -180,6 +183,13 @@ def offered_tools(functions: Sequence[FunctionDef]) -> list[dict[str, Any]] | No
 def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
     """Check the tool fields and the tool turns of ``request``; 400 (with ``param``) if wrong."""
     check_tool_messages(request.messages)
+    for i, tool in enumerate(request.tools or ()):
+        if tool.defer_loading:
+            raise InvalidRequest(
+                "defer_loading is not supported: this gateway has no tool search and shows every "
+                "tool to the model; leave it out or set it to false",
+                param=f"tools[{i}].defer_loading",
+            )
     tools = tuple(t.function for t in request.tools or ())
     choice = request.tool_choice
     if choice is not None and not tools:

@@ -304,6 +304,8 @@ def test_only_an_answers_own_text_after_its_calls_joins_their_turn() -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{**WEATHER, "parameters": {"type": "array"}}]}, "tools"),
+        ({"tools": [WEATHER, {**WEATHER, "name": "g", "defer_loading": True}]}, "tools[1].defer_loading"),
+        ({"tools": [{**WEATHER, "defer_loading": "later"}]}, "tools[0].defer_loading"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),

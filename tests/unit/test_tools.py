@@ -504,12 +504,23 @@ def test_required_lifts_definitions_and_defs_of_each_tool_apart() -> None:
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
             "tools",
         ),
+        # OpenAI hides a deferred tool until its tool search finds it; shown here, it would
+        # change the answer
+        (
+            {"tools": [WEATHER, {**WEATHER, "function": {"name": "g"}, "defer_loading": True}]},
+            "tools[1].defer_loading",
+        ),
     ],
 )
 def test_bad_tool_fields_are_400_with_param(kw: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         plan_tools(request(**kw))
     assert info.value.param == param
+
+
+def test_a_tool_not_deferred_is_offered() -> None:
+    plan = plan_tools(request(tools=[{**WEATHER, "defer_loading": False}]))
+    assert [fn.name for fn in plan.tools] == ["get_weather"]
 
 
 @pytest.mark.parametrize("kind", ["string", "array", ["object", "null"]])
