@@ -434,6 +434,7 @@ def test_langchain_bind_tools_and_tool_message_round_trip(gateway: LiveGateway, 
             "messages",
         ),
         ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, None),
+        ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
     ],
 )
 def test_bad_tool_requests_are_400(gateway: LiveGateway, extra: dict[str, Any], param: str | None) -> None:
