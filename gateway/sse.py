@@ -6,7 +6,8 @@ Once a stream has started the HTTP status cannot change, so each format has an e
 error event.
 
 - ``OpenAIChatEncoder``: ``chat.completion.chunk`` events, then ``data: [DONE]``.
-- ``OpenAICompletionEncoder``: ``text_completion`` events, then ``data: [DONE]``.
+- ``OpenAICompletionEncoder``: ``text_completion`` events, then ``data: [DONE]``. On failure
+  both send ``data: {"error": {...}}`` (OpenAI's error object), then ``data: [DONE]``.
 - ``HouseEncoder``: ``event: message`` / ``data: {"text": ...}`` (UTF-8, not escaped),
   ``event: done`` / ``data: [DONE]``; on failure ``event: error`` / ``data: {"error": ...}``.
 """
@@ -58,7 +59,9 @@ class _OpenAIEncoder:
         self._suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
     def error(self, exc: GatewayError) -> bytes:
-        return _data(exc.to_dict())
+        # then ``[DONE]``, as vLLM's server ends a failed stream: a client that reads to it
+        # (not only OpenAI's SDKs, which raise at the error) sees the stream end, not break
+        return _data(exc.to_dict()) + DONE
 
     def end(self, tokens: TokenCounts) -> bytes:
         if not self.include_usage:

@@ -352,7 +352,8 @@ def test_engine_death_fails_streams_reports_503_and_exits(tmp_path_factory: pyte
                 engine_core(gw).kill()
                 rest1 = [line for line in lines1 if line]
                 rest2 = [line for line in lines2 if line]
-        error = json.loads(rest1[-1].removeprefix("data: "))
+        assert rest1[-1] == "data: [DONE]"  # after the error event, as vLLM's server
+        error = json.loads(rest1[-2].removeprefix("data: "))
         assert error["error"]["type"] == "service_unavailable"
         assert rest2[-2:] == ["event: error", rest2[-1]] and json.loads(rest2[-1][6:])["error"]
         health = [httpx.get(gw.url + "/health").status_code for _ in range(3)]

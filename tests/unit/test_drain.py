@@ -71,7 +71,8 @@ async def test_stopped_streams_end_with_an_error_event_and_are_aborted(serve: Se
     served.gw.stop_requests()
     chat_events = sse_data((await asyncio.wait_for(chat, 5)).text)
     assert json.loads(chat_events[0])["choices"][0]["delta"]["role"] == "assistant"
-    error = json.loads(chat_events[-1])["error"]
+    assert chat_events[-1] == "[DONE]"  # after the error event, as vLLM's server
+    error = json.loads(chat_events[-2])["error"]
     assert (error["type"], error["message"]) == ("service_unavailable", "the gateway is shutting down")
     assert (await asyncio.wait_for(house, 5)).text.endswith(
         'event: error\ndata: {"error": "the gateway is shutting down"}\n\n'
@@ -105,7 +106,7 @@ async def test_stopped_whole_answers_and_queued_lora_requests_get_a_503(serve: S
         assert assert_openai_error(r, 503)["message"] == "the gateway is shutting down"
         assert r.headers["retry-after"] == "1"
     events = sse_data((await asyncio.wait_for(queued, 5)).text)
-    assert json.loads(events[-1])["error"]["type"] == "service_unavailable"
+    assert json.loads(events[-2])["error"]["type"] == "service_unavailable" and events[-1] == "[DONE]"
     assert served.engine.running == 0 and len(served.engine.calls) == 2  # json never reached it
     assert served.gw.admission.inflight == 0
     assert served.gw.scheduler is not None and served.gw.scheduler.queued == 0
