@@ -105,8 +105,10 @@ def _parse(body: bytearray, model: type[M]) -> M:
         # surrogate sent as raw (CESU-8) bytes would pass through and fail in the tokenizer.
         text = body.decode(json.detect_encoding(body))
         data = json.loads(text, parse_float=_finite, parse_constant=_not_json)
-    except (ValueError, RecursionError):  # ValueError: also bad UTF-8; RecursionError: deep nesting
+    except ValueError:  # also bad UTF-8
         raise InvalidRequest("request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     # Searched in the text, not the bytes: a UTF-16 or UTF-32 body's escapes are not ASCII.
