@@ -286,7 +286,126 @@ def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
         check_meta_schema(schema)  # its patterns ECMA-262, as JSON Schema has them
     except jsonschema.SchemaError as exc:
         return "/".join(str(p) for p in exc.path), exc.message
+    return _endless(schema)
+
+
+# -- values without end ---------------------------------------------------------------------
+# A grammar is built from the schema as it is written: a sub-schema that every value of must
+# hold itself again (``{"$ref": "#"}``, an object that requires a property of its own type)
+# becomes a rule that no finite text completes. Where decoding can enter it, the engine is left
+# with no token to allow (vLLM ends the request with an error: a 500) or with whitespace alone
+# until ``max_tokens``. JSON Schema itself reads a bare ``$ref`` cycle as "any value": the
+# grammar backends cannot, so such a schema is refused up front, naming the place.
+_ENDLESS = (
+    "no finite JSON value can be generated for it: every value it allows holds itself again "
+    "(a '$ref' cycle with no way out); give the recursion an end (an optional property, an "
+    "array that may be empty, a null branch)"
+)
+
+
+def _endless(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """The first place (root first) in ``schema`` whose values could only be infinite, as a
+    grammar reads it, with the message; None when every reachable sub-schema can end. A
+    fixpoint: a sub-schema can end once what it needs can (``_needs``), as for the
+    productive rules of a grammar."""
+    nodes: dict[int, str] = {}  # where each is
+    needs: dict[int, tuple[bool, list[Any]]] = {}  # (any of them will do, the sub-schemas)
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict) or id(node) in nodes:
+            continue
+        nodes[id(node)] = where
+        needs[id(node)] = _needs(node, schema)
+        children = list(_generated(node, where))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (target := _local_ref(schema, ref)) is not None:
+            children.append((target, ref.removeprefix("#").removeprefix("/")))
+        stack.extend(reversed(children))
+    # Which can end: those that need nothing, then, step by step, those whose needs have
+    # (a worklist over who needs what, so a long chain costs no more than a short one).
+    waiting: dict[int, int] = {}  # of the sub-schemas a node needs, how many cannot end yet
+    needed_by: dict[int, list[int]] = {}
+    ready = []
+    for key, (any_of, subs) in needs.items():
+        open_ = [id(sub) for sub in subs if isinstance(sub, dict) and id(sub) in nodes]
+        if (any_of and len(open_) < len(subs)) or not open_:  # a branch that ends, or no needs
+            ready.append(key)
+            continue
+        waiting[key] = 1 if any_of else len(open_)
+        for sub in open_:
+            needed_by.setdefault(sub, []).append(key)
+    ends: set[int] = set()
+    while ready:
+        key = ready.pop()
+        if key in ends:
+            continue
+        ends.add(key)
+        for parent in needed_by.get(key, ()):
+            waiting[parent] -= 1
+            if waiting[parent] == 0:
+                ready.append(parent)
+    for key, where in nodes.items():
+        if key not in ends:
+            return where, _ENDLESS
     return None
+
+
+def _needs(node: dict[str, Any], root: Any) -> tuple[bool, list[Any]]:
+    """What a value of ``node`` needs generated first: ``(True, subs)`` one of ``subs``,
+    ``(False, subs)`` all of them (none: it ends as it is). A ``$ref`` is read as its
+    target, a union as its branches, as xgrammar builds them. What is not an object there
+    (a boolean, a ``$ref`` out of the schema) counts as one that ends: ``false`` is the
+    backend's to refuse, with its own message."""
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = _local_ref(root, ref)
+        return False, [target if isinstance(target, dict) else True]
+    for kind in ("anyOf", "oneOf"):
+        branches = node.get(kind)
+        if isinstance(branches, list) and branches:
+            return True, [b if isinstance(b, dict) else True for b in branches]
+    subs: list[Any] = []
+    parts = node.get("allOf")
+    if isinstance(parts, list):
+        subs += list(parts)
+    types = _grammar_types(node, root, {})
+    if types is None or types != frozenset({"object"}) and types != frozenset({"array"}):
+        return False, subs  # it may be a scalar (or anything): that ends
+    if types == frozenset({"object"}):
+        properties = node.get("properties")
+        required = node.get("required")
+        if isinstance(properties, dict) and isinstance(required, list):
+            subs += [properties[name] for name in required if isinstance(name, str) and name in properties]
+    else:
+        least = node.get("minItems", 0)
+        least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+        first = node.get("prefixItems")
+        first = first if isinstance(first, list) else []
+        subs += first[:least]
+        items = node.get("items")
+        if least > len(first) and isinstance(items, dict):
+            subs.append(items)
+    return False, subs
+
+
+def _generated(node: dict[str, Any], where: str) -> Iterator[tuple[Any, str]]:
+    """The sub-schemas a value of ``node`` may hold, as decoding can enter them (not
+    ``$defs``, nor what is only judged: ``not``, ``if``, ``contains``...)."""
+    for key in ("properties", "patternProperties"):
+        value = node.get(key)
+        if isinstance(value, dict):
+            for name, sub in value.items():
+                yield sub, f"{_at(where, key)}/{str(name).replace('~', '~0').replace('/', '~1')}"
+    for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):
+        value = node.get(key)
+        if isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield sub, f"{_at(where, key)}/{i}"
+    for key in ("items", "additionalProperties"):
+        value = node.get(key)
+        if isinstance(value, dict):
+            yield value, _at(where, key)
 
 
 # -- what the grammar backend enforces ----------------------------------------------------

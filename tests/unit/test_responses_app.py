@@ -655,8 +655,9 @@ def test_a_text_format_schema_is_checked_off_the_event_loop(
     assert len(threads) == 1 and threads[0].startswith("schema-check")
 
 
-def test_invalid_json_schema_is_400(http_nolife: TestClient) -> None:
-    fmt = {"type": "json_schema", "name": "bad", "schema": {"type": "no-such-type"}}
+@pytest.mark.parametrize("schema", [{"type": "no-such-type"}, {"$ref": "#"}])  # the second: no end
+def test_invalid_json_schema_is_400(http_nolife: TestClient, schema: dict[str, Any]) -> None:
+    fmt = {"type": "json_schema", "name": "bad", "schema": schema}
     r = http_nolife.post(
         "/v1/responses",
         json={"model": "base-model", "input": "Hi", "text": {"format": fmt}},

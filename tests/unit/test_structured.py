@@ -579,3 +579,117 @@ def test_grammar_and_choice_constraints_are_bounded_in_length(kind: str) -> None
     assert f"'structured_outputs.{kind}' is too long" in info.value.message
     fits: Any = choices[:8192] if kind == "choice" else 'root ::= "' + "a" * (16384 - 12) + '"'
     assert request_constraint({"structured_outputs": {kind: fits}})[0] is not None
+
+
+# -- values without end (a $ref cycle with no way out) ----------------------------------------
+_LOOP_D = {"type": "object", "properties": {"d": {"$ref": "#/$defs/D"}}, "required": ["d"]}
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"$ref": "#"}, ""),  # the engine had no token to allow: a 500
+        ({"$defs": {"T": {"$ref": "#/$defs/T"}}, "$ref": "#/$defs/T"}, ""),
+        # found by a fuzz run: the inner T is not the one "#/$defs/T" names
+        (
+            {"$defs": {"T": {"$defs": {"T": {"type": "number"}}, "$ref": "#/$defs/T"}}, "$ref": "#/$defs/T"},
+            "",
+        ),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, ""),
+        ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, ""),  # an object by its words
+        # optional, but once its key is written only whitespace may follow
+        ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}, "properties/a"),
+        ({"$defs": {"D": _LOOP_D}, "anyOf": [{"$ref": "#/$defs/D"}, {"type": "string"}]}, "anyOf/0"),
+        (
+            {
+                "$defs": {
+                    "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+                    "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+                },
+                "$ref": "#/$defs/A",
+            },
+            "",
+        ),
+        (  # a tree whose every node needs a child
+            {
+                "$defs": {
+                    "N": {
+                        "type": "object",
+                        "properties": {"c": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/N"}}},
+                        "required": ["c"],
+                    }
+                },
+                "$ref": "#/$defs/N",
+            },
+            "",
+        ),
+        (
+            {"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#"}], "minItems": 2},
+            "",
+        ),
+        ({"type": "object", "properties": {"x": {"allOf": [{"$ref": "#/properties/x"}]}}}, "properties/x"),
+    ],
+)
+def test_a_schema_whose_values_could_only_be_infinite_is_a_400_naming_where(
+    schema: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_response_format(_schema_format(schema))
+    message = info.value.message
+    assert info.value.param == "response_format"
+    assert "no finite JSON value can be generated" in message
+    assert (f" at {where}:" in message) if where else ("' at " not in message), message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},  # optional: {} ends it
+        {
+            "type": "object",
+            "properties": {"n": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["n"],
+        },
+        {"type": ["object", "null"], "properties": {"n": {"$ref": "#"}}, "required": ["n"]},
+        {
+            "$defs": {
+                "N": {
+                    "type": "object",
+                    "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}},
+                    "required": ["c"],
+                }
+            },
+            "$ref": "#/$defs/N",
+        },
+        {"type": "array", "prefixItems": [{"type": "string"}, {"$ref": "#"}], "minItems": 1},
+        {"$defs": {"Unused": {"$ref": "#/$defs/Unused"}}, "type": "object"},  # nothing refers to it
+        {"type": "object", "properties": {"a": False}, "required": ["a"]},  # the backend's to refuse
+        {"$ref": "https://example.com/elsewhere.json"},  # not the schema's own: the engine judges
+    ],
+)
+def test_recursive_schemas_with_a_way_out_pass(schema: dict[str, Any]) -> None:
+    assert parse_response_format(_schema_format(schema)) == Constraint("json", schema)
+
+
+def test_pydantic_recursive_models_pass() -> None:
+    from pydantic import BaseModel
+
+    class Node(BaseModel):
+        value: int
+        children: list[Node]
+        parent: Node | None = None
+
+    assert parse_response_format(_schema_format(Node.model_json_schema())) is not None
+
+
+def test_a_long_chain_of_refs_to_an_end_is_judged_quickly() -> None:
+    n = 1500
+    defs: dict[str, Any] = {
+        f"N{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/N{i + 1}"}}, "required": ["n"]}
+        for i in range(n)
+    }
+    defs[f"N{n}"] = {"type": "string"}
+    assert parse_response_format(_schema_format({"$defs": defs, "$ref": "#/$defs/N0"})) is not None
+    defs[f"N{n}"] = {"$ref": "#/$defs/N0"}  # no end now
+    with pytest.raises(InvalidRequest, match="no finite JSON value"):
+        parse_response_format(_schema_format({"$defs": defs, "$ref": "#/$defs/N0"}))

@@ -504,6 +504,10 @@ def test_required_lifts_definitions_and_defs_of_each_tool_apart() -> None:
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
             "tools",
         ),
+        (  # every call's arguments would be infinite: the engine ran out of tokens to allow
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]},
+            "tools",
+        ),
         # OpenAI hides a deferred tool until its tool search finds it; shown here, it would
         # change the answer
         (
