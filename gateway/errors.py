@@ -89,10 +89,11 @@ class ModelNotFound(GatewayError):
 
     def __init__(self, name: str, *, param: str = "model") -> None:
         shown = name if len(name) <= 80 else name[:77] + "..."
-        super().__init__(
-            f"The model '{shown}' does not exist or you do not have access to it.",
-            param=param,
-        )
+        if param == "task":
+            message = f"No model serves the task '{shown}', or you do not have access to it."
+        else:
+            message = f"The model '{shown}' does not exist or you do not have access to it."
+        super().__init__(message, param=param)
 
 
 class NotFound(GatewayError):

@@ -138,6 +138,7 @@ def test_unknown_task_is_404_on_param_task(tmp_path: Path, root: Path) -> None:
     with pytest.raises(ModelNotFound) as info:
         table_for(tmp_path, root).resolve(None, "nope")
     assert info.value.param == "task"
+    assert info.value.message == "No model serves the task 'nope', or you do not have access to it."
 
 
 def test_model_and_task_naming_different_routes_is_400(tmp_path: Path, root: Path) -> None:
