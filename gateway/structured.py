@@ -296,6 +296,21 @@ def _meta_check(schema: dict[str, Any]) -> tuple[str, str] | None:
 # with no token to allow (vLLM ends the request with an error: a 500) or with whitespace alone
 # until ``max_tokens``. JSON Schema itself reads a bare ``$ref`` cycle as "any value": the
 # grammar backends cannot, so such a schema is refused up front, naming the place.
+_OBJECT, _ARRAY = frozenset({"object"}), frozenset({"array"})
+# Where a value holds the values of sub-schemas, so decoding can enter them (not ``$defs``,
+# nor what is only judged: ``not``, ``if``, ``contains``...).
+_GENERATED = frozenset(
+    {
+        "properties",
+        "patternProperties",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "prefixItems",
+        "items",
+        "additionalProperties",
+    }
+)
 _ENDLESS = (
     "no finite JSON value can be generated for it: every value it allows holds itself again "
     "(a '$ref' cycle with no way out); give the recursion an end (an optional property, an "
@@ -310,18 +325,9 @@ def _endless(schema: dict[str, Any]) -> tuple[str, str] | None:
     productive rules of a grammar."""
     nodes: dict[int, str] = {}  # where each is
     needs: dict[int, tuple[bool, list[Any]]] = {}  # (any of them will do, the sub-schemas)
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        node, where = stack.pop()
-        if not isinstance(node, dict) or id(node) in nodes:
-            continue
+    for node, where in _reachable(schema, _GENERATED):
         nodes[id(node)] = where
         needs[id(node)] = _needs(node, schema)
-        children = list(_generated(node, where))
-        ref = node.get("$ref")
-        if isinstance(ref, str) and (target := _local_ref(schema, ref)) is not None:
-            children.append((target, ref.removeprefix("#").removeprefix("/")))
-        stack.extend(reversed(children))
     # Which can end: those that need nothing, then, step by step, those whose needs have
     # (a worklist over who needs what, so a long chain costs no more than a short one).
     waiting: dict[int, int] = {}  # of the sub-schemas a node needs, how many cannot end yet
@@ -336,10 +342,8 @@ def _endless(schema: dict[str, Any]) -> tuple[str, str] | None:
         for sub in open_:
             needed_by.setdefault(sub, []).append(key)
     ends: set[int] = set()
-    while ready:
+    while ready:  # each node comes here once: when it needs nothing, or when its count hits 0
         key = ready.pop()
-        if key in ends:
-            continue
         ends.add(key)
         for parent in needed_by.get(key, ()):
             waiting[parent] -= 1
@@ -365,14 +369,12 @@ def _needs(node: dict[str, Any], root: Any) -> tuple[bool, list[Any]]:
         branches = node.get(kind)
         if isinstance(branches, list) and branches:
             return True, [b if isinstance(b, dict) else True for b in branches]
-    subs: list[Any] = []
     parts = node.get("allOf")
-    if isinstance(parts, list):
-        subs += list(parts)
+    subs: list[Any] = list(parts) if isinstance(parts, list) else []
     types = _grammar_types(node, root, {})
-    if types is None or types != frozenset({"object"}) and types != frozenset({"array"}):
+    if types not in (_OBJECT, _ARRAY):
         return False, subs  # it may be a scalar (or anything): that ends
-    if types == frozenset({"object"}):
+    if types == _OBJECT:
         properties = node.get("properties")
         required = node.get("required")
         if isinstance(properties, dict) and isinstance(required, list):
@@ -387,25 +389,6 @@ def _needs(node: dict[str, Any], root: Any) -> tuple[bool, list[Any]]:
         if least > len(first) and isinstance(items, dict):
             subs.append(items)
     return False, subs
-
-
-def _generated(node: dict[str, Any], where: str) -> Iterator[tuple[Any, str]]:
-    """The sub-schemas a value of ``node`` may hold, as decoding can enter them (not
-    ``$defs``, nor what is only judged: ``not``, ``if``, ``contains``...)."""
-    for key in ("properties", "patternProperties"):
-        value = node.get(key)
-        if isinstance(value, dict):
-            for name, sub in value.items():
-                yield sub, f"{_at(where, key)}/{str(name).replace('~', '~0').replace('/', '~1')}"
-    for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):
-        value = node.get(key)
-        if isinstance(value, list):
-            for i, sub in enumerate(value):
-                yield sub, f"{_at(where, key)}/{i}"
-    for key in ("items", "additionalProperties"):
-        value = node.get(key)
-        if isinstance(value, dict):
-            yield value, _at(where, key)
 
 
 # -- what the grammar backend enforces ----------------------------------------------------
@@ -435,13 +418,7 @@ def xgrammar_gap(schema: Any) -> str | None:
     a ``oneOf`` whose branches may overlap, which it decodes as ``anyOf``), as the end of
     a message naming the keyword and where; None when it enforces all of it. Sub-schemas
     anywhere count ($defs, properties, items, anyOf...), and what a local $ref points to."""
-    seen: set[int] = set()
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        node, where = stack.pop()
-        if not isinstance(node, dict) or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node, where in _reachable(schema):
         for keyword in _XGRAMMAR_IGNORES:
             if keyword in node:
                 return (
@@ -458,11 +435,6 @@ def xgrammar_gap(schema: Any) -> str | None:
                 "decodes as 'anyOf': use 'anyOf', or give every branch a required property with a "
                 "'const' of its own"
             )
-        children = list(_subschemas(node, where))
-        ref = node.get("$ref")
-        if isinstance(ref, str) and (target := _local_ref(schema, ref)) is not None:
-            children.append((target, ref.removeprefix("#").removeprefix("/")))
-        stack.extend(reversed(children))
     return None
 
 
@@ -679,8 +651,31 @@ def _at(where: str, keyword: str) -> str:
     return f"{where}/{keyword}" if where else keyword
 
 
-def _subschemas(node: dict[str, Any], where: str) -> Iterator[tuple[Any, str]]:
+def _reachable(schema: Any, keys: frozenset[str] | None = None) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each sub-schema (an object) of ``schema`` once, root first, depth first, with where it
+    is: under the keywords ``keys`` (all that hold schemas when None), and what a local
+    ``$ref`` points to."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node, where
+        children = list(_subschemas(node, where, keys))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (target := _local_ref(schema, ref)) is not None:
+            children.append((target, ref.removeprefix("#").removeprefix("/")))
+        stack.extend(reversed(children))
+
+
+def _subschemas(
+    node: dict[str, Any], where: str, keys: frozenset[str] | None = None
+) -> Iterator[tuple[Any, str]]:
     for key, value in node.items():
+        if keys is not None and key not in keys:
+            continue
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 yield sub, f"{_at(where, key)}/{str(name).replace('~', '~0').replace('/', '~1')}"
